@@ -1,0 +1,262 @@
+"""The decoder: a stack of N identical layers (paper section 3.1)."""
+
+import keras
+import tensorflow as tf
+
+from keras_transformer.attention import MultiHeadAttention, head_size
+from keras_transformer.encoder import LAYER_NORM_EPSILON, keras_mask
+from keras_transformer.feed_forward import FeedForward
+from keras_transformer.residual import residual
+
+
+def causal_mask(length):
+    """`[1, length, length]` bool: position i attends to positions <= i only."""
+    positions = tf.range(length)
+    return (positions[None, :] <= positions[:, None])[None]
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class DecoderLayer(keras.layers.Layer):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward.
+
+    Each sub-layer sits in a residual block (dropout, add, LayerNorm).
+
+    Args:
+        d_model: model width.
+        num_heads: attention heads h; d_model must be divisible by it.
+        d_ff: feed-forward inner width.
+        dropout: residual dropout rate (P_drop).
+        norm_first: pre-norm instead of the paper's post-norm.
+
+    Shapes (full pass):
+        call(x `[batch, target_len, d_model]`,
+             encoder_output `[batch, source_len, d_model]`,
+             encoder_padding_mask `[batch, source_len]` bool,
+             decoder_padding_mask `[batch, target_len]` bool)
+        -> `[batch, target_len, d_model]`.
+        Missing padding masks fall back to the Keras masks of `x` and
+        `encoder_output`. Self-attention is always causal.
+
+    Incremental decoding: also pass `self_attention_cache`
+    (`[batch, 2, max_length, num_heads, d_model // num_heads]`, from
+    `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
+    and optionally `cross_attention_cache` (from
+    `cross_attention.compute_cache(encoder_output)`); the call then returns
+    `(output, updated_self_attention_cache)`.
+
+    Example:
+
+    ```python
+    y = DecoderLayer(512, 8, 2048)(x, memory, encoder_padding_mask=source_ids != 0)
+    ```
+    """
+
+    def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
+        super().__init__(**kwargs)
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout = dropout
+        self.norm_first = norm_first
+        key_dim = head_size(d_model, num_heads)
+        self.self_attention = MultiHeadAttention(num_heads, key_dim, dtype=self.dtype_policy, name="self_attention")
+        self.self_attention_norm = keras.layers.LayerNormalization(
+            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="self_attention_norm"
+        )
+        self.cross_attention = MultiHeadAttention(num_heads, key_dim, dtype=self.dtype_policy, name="cross_attention")
+        self.cross_attention_norm = keras.layers.LayerNormalization(
+            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="cross_attention_norm"
+        )
+        self.feed_forward = FeedForward(d_model, d_ff, dtype=self.dtype_policy, name="feed_forward")
+        self.feed_forward_norm = keras.layers.LayerNormalization(
+            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="feed_forward_norm"
+        )
+        self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.supports_masking = True
+
+    def build(self, input_shape, encoder_output_shape=None):
+        encoder_output_shape = encoder_output_shape or input_shape
+        self.self_attention.build(input_shape, input_shape)
+        self.self_attention_norm.build(input_shape)
+        self.cross_attention.build(input_shape, encoder_output_shape)
+        self.cross_attention_norm.build(input_shape)
+        self.feed_forward.build(input_shape)
+        self.feed_forward_norm.build(input_shape)
+        self.built = True
+
+    def call(
+        self,
+        x,
+        encoder_output,
+        encoder_padding_mask=None,
+        decoder_padding_mask=None,
+        self_attention_cache=None,
+        cache_index=None,
+        cross_attention_cache=None,
+        training=None,
+    ):
+        if encoder_padding_mask is None:
+            encoder_padding_mask = keras_mask(encoder_output)
+        cross_mask = None if encoder_padding_mask is None else encoder_padding_mask[:, None, :]
+        updated_cache = []
+
+        def self_attention(h):
+            if self_attention_cache is not None:
+                # The cache applies the causal rule; earlier steps are never padding.
+                out, cache = self.self_attention(
+                    h, h, cache=self_attention_cache, cache_update_index=cache_index, training=training
+                )
+                updated_cache.append(cache)
+                return out
+            mask = causal_mask(tf.shape(h)[1])
+            padding = decoder_padding_mask if decoder_padding_mask is not None else keras_mask(x)
+            if padding is not None:
+                mask = tf.logical_and(mask, padding[:, None, :])
+            return self.self_attention(h, h, attention_mask=mask, training=training)
+
+        def cross_attention(h):
+            if cross_attention_cache is not None:
+                out, _ = self.cross_attention(
+                    h, encoder_output, attention_mask=cross_mask, cache=cross_attention_cache, training=training
+                )
+                return out
+            return self.cross_attention(h, encoder_output, attention_mask=cross_mask, training=training)
+
+        x = residual(x, self_attention, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
+        x = residual(x, cross_attention, self.cross_attention_norm, self.dropout_layer, self.norm_first, training)
+        x = residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
+        if self_attention_cache is not None:
+            return x, updated_cache[0]
+        return x
+
+    def compute_output_shape(self, input_shape, encoder_output_shape=None):
+        return input_shape
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "dropout": self.dropout,
+            "norm_first": self.norm_first,
+        }
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Decoder(keras.layers.Layer):
+    """N `DecoderLayer`s (plus a final LayerNorm when `norm_first`).
+
+    Takes embedded target tokens and the encoder output; returns hidden states
+    (the output projection to the vocabulary belongs to `Transformer`).
+
+    Args:
+        num_layers: N (6 in the paper).
+        d_model, num_heads, d_ff, dropout, norm_first: as in `DecoderLayer`.
+
+    Shapes:
+        call(x `[batch, target_len, d_model]`, encoder_output
+        `[batch, source_len, d_model]`, encoder_padding_mask `[batch, source_len]`)
+        -> `[batch, target_len, d_model]`.
+
+    Incremental decoding: caches for all layers are stacked on a leading axis:
+    `empty_cache(batch, max_length)` -> `[num_layers, batch, 2, max_length,
+    num_heads, d_k]` and `compute_cross_attention_cache(encoder_output)` ->
+    `[num_layers, batch, 2, source_len, num_heads, d_k]`. Passing
+    `self_attention_cache`, `cache_index` and `cross_attention_cache` makes the
+    call return `(output, updated_self_attention_cache)`.
+
+    Example:
+
+    ```python
+    y = Decoder(6, 512, 8, 2048)(target_embedded, memory, encoder_padding_mask=source_ids != 0)
+    ```
+    """
+
+    def __init__(self, num_layers, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
+        super().__init__(**kwargs)
+        self.num_layers = num_layers
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout = dropout
+        self.norm_first = norm_first
+        self.decoder_layers = [
+            DecoderLayer(d_model, num_heads, d_ff, dropout, norm_first, dtype=self.dtype_policy, name=f"layer_{i}")
+            for i in range(num_layers)
+        ]
+        self.final_norm = (
+            keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="final_norm")
+            if norm_first
+            else None
+        )
+        self.supports_masking = True
+
+    def build(self, input_shape, encoder_output_shape=None):
+        for layer in self.decoder_layers:
+            layer.build(input_shape, encoder_output_shape)
+        if self.final_norm is not None:
+            self.final_norm.build(input_shape)
+        self.built = True
+
+    def empty_cache(self, batch_size, max_length):
+        return tf.stack([layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers])
+
+    def compute_cross_attention_cache(self, encoder_output):
+        return tf.stack([layer.cross_attention.compute_cache(encoder_output) for layer in self.decoder_layers])
+
+    def call(
+        self,
+        x,
+        encoder_output,
+        encoder_padding_mask=None,
+        decoder_padding_mask=None,
+        self_attention_cache=None,
+        cache_index=None,
+        cross_attention_cache=None,
+        training=None,
+    ):
+        if encoder_padding_mask is None:
+            encoder_padding_mask = keras_mask(encoder_output)
+        if decoder_padding_mask is None:
+            decoder_padding_mask = keras_mask(x)
+        updated_caches = []
+        for i, layer in enumerate(self.decoder_layers):
+            if self_attention_cache is None:
+                x = layer(
+                    x,
+                    encoder_output,
+                    encoder_padding_mask=encoder_padding_mask,
+                    decoder_padding_mask=decoder_padding_mask,
+                    training=training,
+                )
+            else:
+                x, cache = layer(
+                    x,
+                    encoder_output,
+                    encoder_padding_mask=encoder_padding_mask,
+                    self_attention_cache=self_attention_cache[i],
+                    cache_index=cache_index,
+                    cross_attention_cache=None if cross_attention_cache is None else cross_attention_cache[i],
+                    training=training,
+                )
+                updated_caches.append(cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self_attention_cache is not None:
+            return x, tf.stack(updated_caches)
+        return x
+
+    def compute_output_shape(self, input_shape, encoder_output_shape=None):
+        return input_shape
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_layers": self.num_layers,
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "dropout": self.dropout,
+            "norm_first": self.norm_first,
+        }

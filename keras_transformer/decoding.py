@@ -1,0 +1,220 @@
+"""Greedy decoding and beam search over the Transformer's key/value cache.
+
+Both are plain TensorFlow (a `tf.while_loop` over `Transformer.decode_step`),
+so they run inside a `tf.function` and export to a SavedModel. Padding
+masks come from the source ids, never from Keras masks.
+
+Scores are log P(output | source) / lp(output), with the length penalty
+lp(y) = ((5 + |y|) / 6)^alpha (Wu et al., 2016; tensor2tensor), |y| counting
+the end token. Beam search ranks finished hypotheses by it; greedy decoding
+reports the same quantity so the two compare.
+"""
+
+import tensorflow as tf
+
+from keras_transformer.embedding import PAD_ID
+from keras_transformer.model import padding_mask
+
+# Default room for the output: source length + 50 tokens (paper section 6.1).
+EXTRA_OUTPUT_LENGTH = 50
+_NEG = -1e9
+
+
+def length_penalty(length, alpha):
+    """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
+    return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, alpha)
+
+
+def _prepare(model, source_ids, max_length):
+    """Encoder output, padding mask and per-sentence output limits `[batch]`."""
+    source_ids = tf.convert_to_tensor(source_ids)
+    if source_ids.shape.rank != 2:
+        raise ValueError(f"Decoding expects source_ids of shape [batch, source_len], got shape {source_ids.shape}.")
+    source_ids = tf.cast(source_ids, tf.int32)
+    source_mask = padding_mask(source_ids)
+    if max_length is None:
+        # Per sentence, so a sentence decodes the same alone or in any batch.
+        limits = tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1) + EXTRA_OUTPUT_LENGTH
+    else:
+        limits = tf.fill([tf.shape(source_ids)[0]], tf.cast(max_length, tf.int32))
+    limits = tf.maximum(limits, 1)
+    steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
+    return model.encode(source_ids, training=False), source_mask, limits, steps
+
+
+def _next_token_log_probs(logits, at_limit, end_id):
+    """log-softmax over the vocabulary; never padding, and only `end_id` at the limit."""
+    log_probs = tf.nn.log_softmax(logits, axis=-1)
+    vocab = tf.range(tf.shape(log_probs)[-1])
+    banned = tf.logical_or(
+        tf.equal(vocab, PAD_ID)[None, :],
+        tf.logical_and(at_limit[:, None], tf.not_equal(vocab, end_id)[None, :]),
+    )
+    return tf.where(banned, _NEG, log_probs)
+
+
+def _write_column(tokens, t, column):
+    """tokens `[..., steps]` with position `t` set to `column` `[...]`."""
+    return tf.where(tf.range(tf.shape(tokens)[-1]) == t, column[..., None], tokens)
+
+
+def _while_loop(cond, body, state):
+    """`tf.while_loop` over (step, per-sentence tensors..., cache) with a free batch size.
+
+    The batch is the first axis of every state tensor but the stacked caches,
+    whose first axis is the layer; static sizes elsewhere are kept.
+    """
+
+    def free_axis(x, axis):
+        shape = x.shape.as_list()
+        shape[axis] = None
+        return tf.TensorShape(shape)
+
+    invariants = (
+        tf.TensorShape([]),
+        *(free_axis(x, 0) for x in state[1:-1]),
+        tf.nest.map_structure(lambda c: free_axis(c, 1), state[-1]),
+    )
+    return tf.while_loop(cond, body, state, shape_invariants=invariants)
+
+
+def _trim(tokens):
+    """Drop the all-padding columns at the end of `[batch, steps]` tokens."""
+    length = tf.reduce_max(tf.concat([tf.reduce_sum(tf.cast(tokens != PAD_ID, tf.int32), axis=-1), [0]], 0))
+    return tokens[:, :length]
+
+
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6):
+    """Batched greedy decoding with the key/value cache.
+
+    Args:
+        model: a `Transformer`.
+        source_ids: int `[batch, source_len]`, padded with 0.
+        start_id, end_id: the target's start and end token ids.
+        max_length: most output tokens (end token included); by default each
+            sentence gets its own source length + 50.
+        alpha: length-penalty exponent for the reported score.
+
+    Returns:
+        tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at
+            the limit) and padded with 0 after it; no start token.
+        scores: float32 `[batch]`, log-probability / length penalty.
+
+    Wrap the call in `tf.function` for speed.
+    """
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    batch_size = tf.shape(encoder_output)[0]
+
+    def step(t, last, finished, log_prob, lengths, tokens, cache):
+        logits, cache = model.decode_step(last, t, encoder_output, source_mask, cache)
+        log_probs = _next_token_log_probs(logits, t + 1 >= limits, end_id)
+        token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
+        token_log_prob = tf.gather(log_probs, token, batch_dims=1)
+        token = tf.where(finished, PAD_ID, token)
+        log_prob += tf.where(finished, 0.0, token_log_prob)
+        lengths += tf.cast(tf.logical_not(finished), tf.int32)
+        tokens = _write_column(tokens, t, token)
+        finished = tf.logical_or(finished, tf.equal(token, end_id))
+        return t + 1, token, finished, log_prob, lengths, tokens, cache
+
+    def not_done(t, last, finished, *_):
+        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(finished)))
+
+    state = (
+        tf.constant(0),
+        tf.fill([batch_size], tf.cast(start_id, tf.int32)),
+        tf.zeros([batch_size], tf.bool),
+        tf.zeros([batch_size], tf.float32),
+        tf.zeros([batch_size], tf.int32),
+        tf.zeros([batch_size, steps], tf.int32),
+        model.init_decoding_cache(encoder_output, steps),
+    )
+    _, _, _, log_prob, lengths, tokens, _ = _while_loop(not_done, step, state)
+    return _trim(tokens), log_prob / length_penalty(lengths, alpha)
+
+
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None):
+    """Batched beam search with the key/value cache and a length penalty.
+
+    Each step extends every live hypothesis by every token and keeps the
+    `2 * beam_size` best by log-probability. A candidate that ends with
+    `end_id` among the best `beam_size` is finished and scored with the length
+    penalty; the best `beam_size` that do not end stay alive. A sentence is
+    done when it has `beam_size` finished hypotheses (or reaches its length
+    limit, where only `end_id` may come). Beam size 1 is greedy decoding.
+
+    Args:
+        model: a `Transformer`.
+        source_ids: int `[batch, source_len]`, padded with 0.
+        start_id, end_id: the target's start and end token ids.
+        beam_size: hypotheses kept per sentence (4 in the paper).
+        alpha: length-penalty exponent (0.6 in the paper).
+        max_length: most output tokens; by default source length + 50.
+
+    Returns:
+        tokens: int32 `[batch, length]`, the best finished hypothesis, padded
+            with 0 after `end_id`.
+        scores: float32 `[batch]`, its log-probability / length penalty.
+
+    Wrap the call in `tf.function` for speed.
+    """
+    k = beam_size
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    batch_size = tf.shape(encoder_output)[0]
+    cache = model.init_decoding_cache(encoder_output, steps)
+    # Every hypothesis gets a row: [batch * k, ...], sentence-major.
+    cache = tf.nest.map_structure(lambda c: tf.repeat(c, k, axis=1), cache)
+    encoder_output = tf.repeat(encoder_output, k, axis=0)
+    source_mask = tf.repeat(source_mask, k, axis=0)
+    beam_limits = tf.repeat(limits, k, axis=0)
+
+    def step(t, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, done, cache):
+        logits, cache = model.decode_step(tf.reshape(last, [-1]), t, encoder_output, source_mask, cache)
+        log_probs = _next_token_log_probs(logits, t + 1 >= beam_limits, end_id)
+        vocab_size = tf.shape(log_probs)[-1]
+        candidates = alive_log_prob[:, :, None] + tf.reshape(log_probs, [batch_size, k, vocab_size])
+        top_log_prob, top_index = tf.math.top_k(tf.reshape(candidates, [batch_size, -1]), 2 * k)
+        top_beam, top_token = top_index // vocab_size, top_index % vocab_size
+        top_tokens = _write_column(tf.gather(alive_tokens, top_beam, batch_dims=1), t, top_token)
+        ends = tf.equal(top_token, end_id)
+
+        # Finish the ending candidates among the best k.
+        newly_finished = ends[:, :k] & ~done[:, None] & (top_log_prob[:, :k] > _NEG / 2)
+        new_scores = tf.where(newly_finished, top_log_prob[:, :k] / length_penalty(t + 1, alpha), _NEG)
+        finished_scores, best = tf.math.top_k(tf.concat([finished_scores, new_scores], 1), k)
+        finished_tokens = tf.gather(tf.concat([finished_tokens, top_tokens[:, :k]], 1), best, batch_dims=1)
+        num_finished += tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
+        done = done | (num_finished >= k) | (t + 1 >= limits)
+
+        # Keep the best k that did not end.
+        alive_log_prob, keep = tf.math.top_k(tf.where(ends, _NEG, top_log_prob), k)
+        alive_tokens = tf.gather(top_tokens, keep, batch_dims=1)
+        beam = tf.gather(top_beam, keep, batch_dims=1)
+        rows = tf.reshape(tf.range(batch_size)[:, None] * k + beam, [-1])
+        cache = {
+            "self_attention": tf.gather(cache["self_attention"], rows, axis=1),
+            # Identical for every hypothesis of a sentence: nothing to reorder.
+            "cross_attention": cache["cross_attention"],
+        }
+        last = tf.gather(top_token, keep, batch_dims=1)
+        return t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, done, cache
+
+    def not_done(t, *state):
+        done = state[6]
+        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(done)))
+
+    first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
+    state = (
+        tf.constant(0),
+        tf.fill([batch_size, k], tf.cast(start_id, tf.int32)),
+        tf.zeros([batch_size, k, steps], tf.int32),
+        tf.tile(first_beam_only[None], [batch_size, 1]),
+        tf.zeros([batch_size, k, steps], tf.int32),
+        tf.fill([batch_size, k], _NEG),
+        tf.zeros([batch_size], tf.int32),
+        tf.zeros([batch_size], tf.bool),
+        cache,
+    )
+    state = _while_loop(not_done, step, state)
+    finished_tokens, finished_scores = state[4], state[5]
+    return _trim(finished_tokens[:, 0]), finished_scores[:, 0]

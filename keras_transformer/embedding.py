@@ -1,0 +1,137 @@
+"""Token embedding plus positional encoding (paper sections 3.4 and 3.5)."""
+
+import math
+
+import keras
+import tensorflow as tf
+
+PAD_ID = 0
+
+
+def positional_encoding(positions, d_model, dtype="float32"):
+    """The paper's sinusoidal encoding (section 3.5) at the given positions.
+
+    PE(pos, 2i)   = sin(pos / 10000^(2i / d_model))
+    PE(pos, 2i+1) = cos(pos / 10000^(2i / d_model))
+
+    Args:
+        positions: int tensor `[length]`.
+        d_model: even model width.
+        dtype: dtype of the result.
+
+    Returns:
+        `[length, d_model]` tensor.
+    """
+    if d_model % 2:
+        raise ValueError(f"positional_encoding needs an even d_model, got d_model={d_model}.")
+    positions = tf.cast(positions, tf.float32)[:, None]
+    two_i = tf.range(0, d_model, 2, dtype=tf.float32)[None, :]
+    angles = positions / tf.pow(10000.0, two_i / d_model)
+    # Interleave so that even columns hold sin and odd columns cos.
+    encoding = tf.reshape(
+        tf.stack([tf.sin(angles), tf.cos(angles)], axis=-1),
+        [-1, d_model],
+    )
+    return tf.cast(encoding, dtype)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class PositionalEmbedding(keras.layers.Layer):
+    """Embedding(tokens) * sqrt(d_model) + positional encoding, then dropout.
+
+    Token id 0 is padding: `compute_mask` returns `token_ids != 0`, so Keras
+    layers downstream (and this library's encoder/decoder layers) see it.
+
+    Args:
+        vocab_size: number of token ids.
+        d_model: embedding width.
+        dropout: dropout rate on the sum (paper section 5.4, P_drop).
+        learned_positions: learn a `[max_length, d_model]` position table
+            instead of the sinusoids (the paper's variant in table 3, row E).
+        max_length: longest position for learned positions (required then).
+
+    Shapes:
+        call(token_ids `[batch, length]`, start_index=0) -> `[batch, length, d_model]`.
+        `start_index` offsets the positions, for decoding one step at a time.
+
+    Example:
+
+    ```python
+    ids = keras.Input(shape=(None,), dtype="int32")
+    x = PositionalEmbedding(vocab_size=8000, d_model=512)(ids)  # masked where ids == 0
+    ```
+
+    The embedding is initialised with stddev d_model^-0.5, so after the
+    sqrt(d_model) scale the vectors have unit scale, and the matrix also
+    works as the tied output projection (`embedding.token_embedding.embeddings`).
+    """
+
+    def __init__(
+        self,
+        vocab_size,
+        d_model,
+        dropout=0.0,
+        learned_positions=False,
+        max_length=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if learned_positions and not max_length:
+            raise ValueError("PositionalEmbedding(learned_positions=True) needs max_length.")
+        if not learned_positions and d_model % 2:
+            raise ValueError(f"The sinusoidal encoding needs an even d_model, got d_model={d_model}.")
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.dropout = dropout
+        self.learned_positions = learned_positions
+        self.max_length = max_length
+        self.token_embedding = keras.layers.Embedding(
+            vocab_size,
+            d_model,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=d_model**-0.5),
+            dtype=self.dtype_policy,
+            name="token_embedding",
+        )
+        self.position_embedding = (
+            keras.layers.Embedding(max_length, d_model, dtype=self.dtype_policy, name="position_embedding")
+            if learned_positions
+            else None
+        )
+        self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
+        self.supports_masking = True
+
+    def build(self, input_shape=None):
+        self.token_embedding.build((None, None))
+        if self.position_embedding is not None:
+            self.position_embedding.build((None,))
+        self.built = True
+
+    def call(self, token_ids, start_index=0, training=None):
+        if len(token_ids.shape) != 2:
+            raise ValueError(
+                "PositionalEmbedding expects token ids of shape [batch, length] (rank 2), "
+                f"got shape {token_ids.shape}."
+            )
+        positions = start_index + tf.range(tf.shape(token_ids)[1])
+        x = self.token_embedding(token_ids) * tf.cast(math.sqrt(self.d_model), self.compute_dtype)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions)[None]
+        else:
+            x = x + positional_encoding(positions, self.d_model, self.compute_dtype)[None]
+        return self.dropout_layer(x, training=training)
+
+    def compute_mask(self, token_ids, mask=None):
+        return tf.not_equal(token_ids, PAD_ID)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.d_model)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "dropout": self.dropout,
+            "learned_positions": self.learned_positions,
+            "max_length": self.max_length,
+        }

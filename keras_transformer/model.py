@@ -1,0 +1,256 @@
+"""The Transformer: tokens in, next-token logits out (paper figure 1)."""
+
+import keras
+import tensorflow as tf
+
+from keras_transformer.attention import head_size
+from keras_transformer.decoder import Decoder
+from keras_transformer.embedding import PAD_ID, PositionalEmbedding
+from keras_transformer.encoder import Encoder
+
+PRESETS = {
+    # For tests: builds and trains in seconds.
+    "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, dropout=0.1),
+    # Trains on a 2-core CPU in under an hour on Multi30k.
+    "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, dropout=0.1),
+    # Paper table 3, "base" and "big".
+    "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6, dropout=0.1),
+    "big": dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6, num_decoder_layers=6, dropout=0.3),
+}
+
+
+def padding_mask(token_ids):
+    """`[batch, length]` bool, True at real tokens (pad id is 0)."""
+    return tf.not_equal(token_ids, PAD_ID)
+
+
+def _check_token_ids(name, token_ids):
+    if len(token_ids.shape) != 2:
+        raise ValueError(
+            f"Transformer expects {name} of shape [batch, length] (rank 2), "
+            f"got shape {tuple(token_ids.shape)}."
+        )
+    if not token_ids.dtype.is_integer:
+        raise ValueError(f"Transformer expects integer token ids for {name}, got dtype {token_ids.dtype.name}.")
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class Transformer(keras.Model):
+    """Encoder-decoder Transformer (Vaswani et al., 2017, "Attention Is All You Need").
+
+    Args:
+        vocab_size: size of a vocabulary shared by source and target (the
+            paper's setting: one embedding matrix for source, target and the
+            output projection). Give either this or both of:
+        source_vocab_size, target_vocab_size: separate vocabularies.
+        d_model: model width (512 base).
+        num_heads: attention heads h (8 base); d_model must be divisible by it.
+        d_ff: feed-forward inner width (2048 base).
+        num_encoder_layers, num_decoder_layers: N (6 base).
+        dropout: residual and embedding dropout P_drop (0.1 base).
+        norm_first: pre-norm residual blocks instead of the paper's post-norm.
+        tie_output_embedding: the pre-softmax projection reuses the target
+            embedding matrix (paper section 3.4).
+        learned_positions: learned position embeddings instead of sinusoids.
+        max_length: longest position, required with `learned_positions`.
+
+    Shapes:
+        call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
+        -> float32 logits `[batch, target_len, target_vocab]`.
+        Token id 0 is padding and is masked out of every attention, derived
+        from the ids themselves (not from Keras masks, which a `tf.function`
+        or a model boundary drops).
+
+    Example:
+
+    ```python
+    model = Transformer.from_preset("base", vocab_size=37000)
+    model.compile(optimizer=paper_adam(512), loss=MaskedSparseCategoricalCrossentropy())
+    model.fit(dataset)  # elements ((source_ids, target_in), target_out)
+    logits = model((source_ids, target_in))
+    ```
+    """
+
+    def __init__(
+        self,
+        vocab_size=None,
+        *,
+        source_vocab_size=None,
+        target_vocab_size=None,
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout=0.1,
+        norm_first=False,
+        tie_output_embedding=True,
+        learned_positions=False,
+        max_length=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        given = (vocab_size is not None, source_vocab_size is not None, target_vocab_size is not None)
+        if given not in ((True, False, False), (False, True, True)):
+            raise ValueError(
+                "Transformer needs either vocab_size (one vocabulary shared by source and target) "
+                "or both source_vocab_size and target_vocab_size, got "
+                f"vocab_size={vocab_size}, source_vocab_size={source_vocab_size}, "
+                f"target_vocab_size={target_vocab_size}."
+            )
+        head_size(d_model, num_heads)
+        self.vocab_size = vocab_size
+        self.source_vocab_size = source_vocab_size
+        self.target_vocab_size = target_vocab_size
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.num_encoder_layers = num_encoder_layers
+        self.num_decoder_layers = num_decoder_layers
+        self.dropout = dropout
+        self.norm_first = norm_first
+        self.tie_output_embedding = tie_output_embedding
+        self.learned_positions = learned_positions
+        self.max_length = max_length
+
+        def embedding(size, name):
+            return PositionalEmbedding(
+                size, d_model, dropout, learned_positions, max_length, dtype=self.dtype_policy, name=name
+            )
+
+        if vocab_size is not None:
+            self.target_embedding = embedding(vocab_size, "embedding")
+            self.source_embedding = None
+        else:
+            self.source_embedding = embedding(source_vocab_size, "source_embedding")
+            self.target_embedding = embedding(target_vocab_size, "target_embedding")
+        layer_args = dict(
+            d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first,
+            dtype=self.dtype_policy,
+        )
+        self.encoder = Encoder(num_encoder_layers, name="encoder", **layer_args)
+        self.decoder = Decoder(num_decoder_layers, name="decoder", **layer_args)
+        self.output_projection = (
+            None
+            if tie_output_embedding
+            else keras.layers.Dense(
+                target_vocab_size or vocab_size, dtype=self.dtype_policy, name="output_projection"
+            )
+        )
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        """A model sized as preset `name` ("tiny", "small", "base", "big").
+
+        Pass the vocabulary (`vocab_size=...`) and any constructor argument
+        to override, e.g. `Transformer.from_preset("small", vocab_size=8000, dropout=0.3)`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"Unknown preset {name!r}. Available presets: {', '.join(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def build(self, input_shape=None):
+        for embedding in (self.source_embedding, self.target_embedding):
+            if embedding is not None:
+                embedding.build((None, None))
+        hidden_shape = (None, None, self.d_model)
+        self.encoder.build(hidden_shape)
+        self.decoder.build(hidden_shape, hidden_shape)
+        if self.output_projection is not None:
+            self.output_projection.build(hidden_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        source_ids, target_ids = inputs
+        encoder_output = self.encode(source_ids, training=training)
+        return self.decode(target_ids, encoder_output, padding_mask(source_ids), training=training)
+
+    def encode(self, source_ids, training=None):
+        """Source ids `[batch, source_len]` -> encoder output `[batch, source_len, d_model]`."""
+        _check_token_ids("source_ids", source_ids)
+        embedding = self.source_embedding or self.target_embedding
+        x = embedding(source_ids, training=training)
+        return self.encoder(x, padding_mask=padding_mask(source_ids), training=training)
+
+    def decode(self, target_ids, encoder_output, encoder_padding_mask, training=None):
+        """Target ids `[batch, target_len]` and encoder output -> logits `[batch, target_len, vocab]`.
+
+        `encoder_padding_mask` is `padding_mask(source_ids)`, `[batch, source_len]`.
+        """
+        _check_token_ids("target_ids", target_ids)
+        x = self.target_embedding(target_ids, training=training)
+        x = self.decoder(
+            x,
+            encoder_output,
+            encoder_padding_mask=encoder_padding_mask,
+            decoder_padding_mask=padding_mask(target_ids),
+            training=training,
+        )
+        return self.project(x)
+
+    def project(self, x):
+        """Decoder output `[..., d_model]` -> float32 logits `[..., target_vocab]`."""
+        if self.output_projection is not None:
+            logits = self.output_projection(x)
+        else:
+            embeddings = tf.cast(self.target_embedding.token_embedding.embeddings, x.dtype)
+            logits = tf.matmul(x, embeddings, transpose_b=True)
+        # float32 logits keep softmax and the loss exact under mixed precision.
+        return tf.cast(logits, tf.float32)
+
+    def init_decoding_cache(self, encoder_output, max_length):
+        """Caches for `decode_step`: empty self-attention keys/values for
+        `max_length` target positions, and the cross-attention keys/values of
+        `encoder_output`, projected once here.
+
+        Returns a dict of two tensors shaped
+        `[num_decoder_layers, batch, 2, length, num_heads, d_model // num_heads]`.
+        """
+        batch_size = tf.shape(encoder_output)[0]
+        return {
+            "self_attention": self.decoder.empty_cache(batch_size, max_length),
+            "cross_attention": self.decoder.compute_cross_attention_cache(encoder_output),
+        }
+
+    def decode_step(self, token_ids, index, encoder_output, encoder_padding_mask, cache):
+        """One step of incremental decoding.
+
+        Args:
+            token_ids: `[batch]` the target token at position `index`.
+            index: scalar int, its position (0 for the start token).
+            encoder_output: `[batch, source_len, d_model]`.
+            encoder_padding_mask: `[batch, source_len]` bool.
+            cache: from `init_decoding_cache` or the previous step.
+
+        Returns:
+            (logits `[batch, vocab]` for position `index + 1`, updated cache).
+        """
+        x = self.target_embedding(token_ids[:, None], start_index=index)
+        x, self_attention_cache = self.decoder(
+            x,
+            encoder_output,
+            encoder_padding_mask=encoder_padding_mask,
+            self_attention_cache=cache["self_attention"],
+            cache_index=index,
+            cross_attention_cache=cache["cross_attention"],
+        )
+        cache = {"self_attention": self_attention_cache, "cross_attention": cache["cross_attention"]}
+        return self.project(x)[:, 0], cache
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "vocab_size": self.vocab_size,
+            "source_vocab_size": self.source_vocab_size,
+            "target_vocab_size": self.target_vocab_size,
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "num_encoder_layers": self.num_encoder_layers,
+            "num_decoder_layers": self.num_decoder_layers,
+            "dropout": self.dropout,
+            "norm_first": self.norm_first,
+            "tie_output_embedding": self.tie_output_embedding,
+            "learned_positions": self.learned_positions,
+            "max_length": self.max_length,
+        }
