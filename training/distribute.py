@@ -1,0 +1,82 @@
+"""tf.distribute setup: MirroredStrategy over GPUs or N logical CPU devices,
+MultiWorkerMirroredStrategy when TF_CONFIG is set.
+
+Call `make_strategy` before anything else touches TensorFlow devices:
+logical devices can only be configured before TF initializes them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+log = logging.getLogger("training.distribute")
+
+
+def tf_config() -> dict | None:
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    cfg = json.loads(raw)
+    return cfg if cfg.get("cluster") else None
+
+
+def worker_info() -> tuple[bool, int, int]:
+    """(is_chief, task_index, num_workers) from TF_CONFIG (single process: (True, 0, 1))."""
+    cfg = tf_config()
+    if cfg is None:
+        return True, 0, 1
+    cluster, task = cfg["cluster"], cfg.get("task", {})
+    num_workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    ttype, index = task.get("type", "worker"), int(task.get("index", 0))
+    if "chief" in cluster:
+        return ttype == "chief", index, num_workers
+    return ttype == "worker" and index == 0, index, num_workers
+
+
+def split_cpu(num_replicas: int) -> None:
+    """Splits the (first) physical CPU into `num_replicas` logical devices."""
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)])
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"--cpu-replicas {num_replicas}: TensorFlow devices were already initialized; logical "
+            "CPU devices must be configured before any TensorFlow op runs.") from e
+
+
+def make_strategy(cpu_replicas: int = 1):
+    """The distribution strategy for this process.
+
+    - TF_CONFIG set: `MultiWorkerMirroredStrategy` (one replica per worker unless GPUs).
+    - GPUs visible: `MirroredStrategy` over all of them.
+    - CPU only: `MirroredStrategy` over `cpu_replicas` logical CPU devices.
+    """
+    import tensorflow as tf
+
+    if tf_config() is not None:
+        if cpu_replicas > 1:
+            split_cpu(cpu_replicas)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        log.info("MultiWorkerMirroredStrategy: %d replicas in sync", strategy.num_replicas_in_sync)
+        return strategy
+    if cpu_replicas > 1:
+        split_cpu(cpu_replicas)
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        strategy = tf.distribute.MirroredStrategy()
+    else:
+        cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+        strategy = tf.distribute.MirroredStrategy(cpus[: max(1, cpu_replicas)])
+    log.info("MirroredStrategy over %s", strategy.extended.worker_devices)
+    return strategy
+
+
+def has_gpu() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_logical_devices("GPU"))

@@ -1,0 +1,13 @@
+"""Errors raised by the training pipeline for bad input."""
+
+
+class DataError(ValueError):
+    """Bad or missing training data. The message says what is wrong and how to fix it."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+    """A data directory or file does not exist."""
+
+
+class LineCountMismatchError(DataError):
+    """The two sides of a parallel corpus have different numbers of lines."""
