@@ -226,7 +226,7 @@ class ResumableBackup:
                 tmp.write_text(json.dumps(meta))
                 os.replace(tmp, self._training_metadata_path)
 
-        return _Backup(backup_dir=str(backup_dir), save_freq=save_freq)
+        return _Backup(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
 
 
 def build_model(cfg, vocab_size: int):

@@ -1,0 +1,78 @@
+"""Average the weights of the last N epoch checkpoints into one model (the paper
+averaged the last 5 checkpoints for its base models).
+
+    python -m training.average_checkpoints --model-dir runs/en-de --last 5
+
+Reads MODEL_DIR/checkpoints/epoch-NNN.weights.h5 (written by training.train),
+writes MODEL_DIR/averaged.keras (evaluate it with
+`python -m training.evaluate --model-dir runs/en-de --model-file runs/en-de/averaged.keras`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+_EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
+
+
+def list_checkpoints(model_dir) -> list[Path]:
+    """Epoch checkpoints in epoch order."""
+    from training.train import CHECKPOINT_DIR
+
+    d = Path(model_dir) / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def average_weights(model, checkpoint_paths) -> None:
+    """Loads each checkpoint into `model` and leaves the element-wise mean of all
+    model weights (float32 accumulation) in it."""
+    import numpy as np
+
+    if not checkpoint_paths:
+        raise ValueError("No checkpoints to average")
+    total = None
+    for path in checkpoint_paths:
+        model.load_weights(path)
+        values = [np.asarray(w, dtype=np.float64) for w in model.get_weights()]
+        total = values if total is None else [t + v for t, v in zip(total, values)]
+    model.set_weights([t / len(checkpoint_paths) for t in total])
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    p = argparse.ArgumentParser(prog="kt-average-checkpoints", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--last", type=int, default=5, help="average the last N epoch checkpoints (default 5)")
+    p.add_argument("--output", help="output .keras file (default MODEL_DIR/averaged.keras)")
+    args = p.parse_args(argv)
+
+    import keras
+
+    import keras_transformer  # noqa: F401
+    from training.train import load_config
+
+    cfg = load_config(args.model_dir)
+    checkpoints = list_checkpoints(args.model_dir)
+    if not checkpoints:
+        print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / 'checkpoints'}",
+              file=sys.stderr)
+        return 2
+    chosen = checkpoints[-args.last:]
+    if len(chosen) < args.last:
+        print(f"Only {len(chosen)} checkpoint(s) available; averaging those.")
+    model = keras.models.load_model(Path(args.model_dir) / cfg["model_file"], compile=False)
+    average_weights(model, chosen)
+    out = Path(args.output) if args.output else Path(args.model_dir) / "averaged.keras"
+    model.save(out)
+    print(f"Averaged {len(chosen)} checkpoint(s): {', '.join(p.name for p in chosen)} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
