@@ -235,31 +235,41 @@ def build_model(cfg, vocab_size: int):
     return kt.Transformer.from_preset(cfg["preset"], vocab_size=vocab_size, **cfg["model"])
 
 
-def compile_model(model, cfg):
+def compile_model(model, cfg, optimizer=None):
     import keras_transformer as kt
+
+    from training.losses import ReplicaScaledMaskedLoss
 
     kwargs = {}
     if cfg["grad_accum"] and cfg["grad_accum"] > 1:
         kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
-    optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], **kwargs)
+    if optimizer is None:
+        optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], **kwargs)
     model.compile(
         optimizer=optimizer,
-        loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"]),
+        loss=ReplicaScaledMaskedLoss(label_smoothing=cfg["label_smoothing"]),
         metrics=[kt.MaskedAccuracy()],
         jit_compile=bool(cfg["jit_compile"]),
     )
     return model
 
 
-def build_and_compile(cfg, vocab_size: int):
+def build_and_compile(cfg, vocab_size: int, optimizer=None):
     """Model + optimizer + loss, built (variables created) in the current strategy scope."""
     import numpy as np
 
     model = build_model(cfg, vocab_size)
     dummy = np.ones((1, 2), "int32")
     model((dummy, dummy))
-    compile_model(model, cfg)
+    compile_model(model, cfg, optimizer)
     model.optimizer.build(model.trainable_variables)
+    # Build the compiled loss and metrics now, from an int batch. Otherwise
+    # Keras 3.15's fit() under tf.distribute builds them from the first batch
+    # reduced with strategy.reduce("MEAN"), which turns the int token ids into
+    # floats, and the Transformer rejects non-integer ids.
+    symbolic_build = getattr(model, "_symbolic_build", None)
+    if symbolic_build is not None:
+        symbolic_build(data_batch=((dummy, dummy), dummy))
     return model
 
 
