@@ -74,14 +74,14 @@ class DecoderLayer(keras.layers.Layer):
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
         self.supports_masking = True
 
-    def build(self, input_shape, encoder_output_shape=None):
-        encoder_output_shape = encoder_output_shape or input_shape
-        self.self_attention.build(input_shape, input_shape)
-        self.self_attention_norm.build(input_shape)
-        self.cross_attention.build(input_shape, encoder_output_shape)
-        self.cross_attention_norm.build(input_shape)
-        self.feed_forward.build(input_shape)
-        self.feed_forward_norm.build(input_shape)
+    def build(self, x_shape, encoder_output_shape=None):
+        encoder_output_shape = encoder_output_shape or x_shape
+        self.self_attention.build(x_shape, x_shape)
+        self.self_attention_norm.build(x_shape)
+        self.cross_attention.build(x_shape, encoder_output_shape)
+        self.cross_attention_norm.build(x_shape)
+        self.feed_forward.build(x_shape)
+        self.feed_forward_norm.build(x_shape)
         self.built = True
 
     def call(
@@ -129,8 +129,8 @@ class DecoderLayer(keras.layers.Layer):
             return x, updated_cache[0]
         return x
 
-    def compute_output_shape(self, input_shape, encoder_output_shape=None):
-        return input_shape
+    def compute_output_shape(self, x_shape, encoder_output_shape=None):
+        return x_shape
 
     def get_config(self):
         return {
@@ -192,11 +192,11 @@ class Decoder(keras.layers.Layer):
         )
         self.supports_masking = True
 
-    def build(self, input_shape, encoder_output_shape=None):
+    def build(self, x_shape, encoder_output_shape=None):
         for layer in self.decoder_layers:
-            layer.build(input_shape, encoder_output_shape)
+            layer.build(x_shape, encoder_output_shape)
         if self.final_norm is not None:
-            self.final_norm.build(input_shape)
+            self.final_norm.build(x_shape)
         self.built = True
 
     def empty_cache(self, batch_size, max_length):
@@ -247,8 +247,8 @@ class Decoder(keras.layers.Layer):
             return x, tf.stack(updated_caches)
         return x
 
-    def compute_output_shape(self, input_shape, encoder_output_shape=None):
-        return input_shape
+    def compute_output_shape(self, x_shape, encoder_output_shape=None):
+        return x_shape
 
     def get_config(self):
         return {

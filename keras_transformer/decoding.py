@@ -53,6 +53,13 @@ def _next_token_log_probs(logits, at_limit, end_id):
     return tf.where(banned, _NEG, log_probs)
 
 
+def _greedy_choice(log_probs, finished):
+    """The most likely token of each row and its log-probability; PAD and 0 once finished."""
+    token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
+    token_log_prob = tf.gather(log_probs, token, batch_dims=1)
+    return tf.where(finished, PAD_ID, token), tf.where(finished, 0.0, token_log_prob)
+
+
 def _write_column(tokens, t, column):
     """tokens `[..., steps]` with position `t` set to `column` `[...]`."""
     return tf.where(tf.range(tf.shape(tokens)[-1]) == t, column[..., None], tokens)
@@ -108,10 +115,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     def step(t, last, finished, log_prob, lengths, tokens, cache):
         logits, cache = model.decode_step(last, t, encoder_output, source_mask, cache)
         log_probs = _next_token_log_probs(logits, t + 1 >= limits, end_id)
-        token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
-        token_log_prob = tf.gather(log_probs, token, batch_dims=1)
-        token = tf.where(finished, PAD_ID, token)
-        log_prob += tf.where(finished, 0.0, token_log_prob)
+        token, token_log_prob = _greedy_choice(log_probs, finished)
+        log_prob += token_log_prob
         lengths += tf.cast(tf.logical_not(finished), tf.int32)
         tokens = _write_column(tokens, t, token)
         finished = tf.logical_or(finished, tf.equal(token, end_id))
@@ -139,9 +144,14 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     Each step extends every live hypothesis by every token and keeps the
     `2 * beam_size` best by log-probability. A candidate that ends with
     `end_id` among the best `beam_size` is finished and scored with the length
-    penalty; the best `beam_size` that do not end stay alive. A sentence is
-    done when it has `beam_size` finished hypotheses (or reaches its length
-    limit, where only `end_id` may come). Beam size 1 is greedy decoding.
+    penalty; the best `beam_size` that do not end stay alive. A sentence's
+    beam is done when it has `beam_size` finished hypotheses (or reaches its
+    length limit, where only `end_id` may come).
+
+    Beam search alone can prune the greedy path and end below it, so each
+    sentence also carries its greedy hypothesis as one more row of the same
+    loop, and that hypothesis competes with the finished ones: the result is
+    never scored below `greedy_decode`'s, and beam size 1 is greedy decoding.
 
     Args:
         model: a `Transformer`.
@@ -159,59 +169,80 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     Wrap the call in `tf.function` for speed.
     """
     k = beam_size
+    rows = k + 1  # per sentence: k beams, then the greedy hypothesis
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
     cache = model.init_decoding_cache(encoder_output, steps)
-    # Every hypothesis gets a row: [batch * k, ...], sentence-major.
-    cache = tf.nest.map_structure(lambda c: tf.repeat(c, k, axis=1), cache)
-    encoder_output = tf.repeat(encoder_output, k, axis=0)
-    source_mask = tf.repeat(source_mask, k, axis=0)
-    beam_limits = tf.repeat(limits, k, axis=0)
+    # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
+    cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=1), cache)
+    encoder_output = tf.repeat(encoder_output, rows, axis=0)
+    source_mask = tf.repeat(source_mask, rows, axis=0)
+    row_limits = tf.repeat(limits, rows, axis=0)
 
-    def step(t, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, done, cache):
+    def step(t, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, beam_done,
+             greedy_tokens, greedy_log_prob, greedy_done, cache):
         logits, cache = model.decode_step(tf.reshape(last, [-1]), t, encoder_output, source_mask, cache)
-        log_probs = _next_token_log_probs(logits, t + 1 >= beam_limits, end_id)
+        log_probs = _next_token_log_probs(logits, t + 1 >= row_limits, end_id)
         vocab_size = tf.shape(log_probs)[-1]
-        candidates = alive_log_prob[:, :, None] + tf.reshape(log_probs, [batch_size, k, vocab_size])
+        log_probs = tf.reshape(log_probs, [batch_size, rows, vocab_size])
+        penalty = length_penalty(t + 1, alpha)
+
+        # The greedy row.
+        greedy_token, token_log_prob = _greedy_choice(log_probs[:, k], greedy_done)
+        greedy_log_prob += token_log_prob
+        greedy_tokens = _write_column(greedy_tokens, t, greedy_token)
+        greedy_ends = tf.equal(greedy_token, end_id)
+        greedy_done = greedy_done | greedy_ends
+
+        # The beam rows.
+        candidates = alive_log_prob[:, :, None] + log_probs[:, :k]
         top_log_prob, top_index = tf.math.top_k(tf.reshape(candidates, [batch_size, -1]), 2 * k)
         top_beam, top_token = top_index // vocab_size, top_index % vocab_size
         top_tokens = _write_column(tf.gather(alive_tokens, top_beam, batch_dims=1), t, top_token)
         ends = tf.equal(top_token, end_id)
 
-        # Finish the ending candidates among the best k.
-        newly_finished = ends[:, :k] & ~done[:, None] & (top_log_prob[:, :k] > _NEG / 2)
-        new_scores = tf.where(newly_finished, top_log_prob[:, :k] / length_penalty(t + 1, alpha), _NEG)
-        finished_scores, best = tf.math.top_k(tf.concat([finished_scores, new_scores], 1), k)
-        finished_tokens = tf.gather(tf.concat([finished_tokens, top_tokens[:, :k]], 1), best, batch_dims=1)
+        # Finish the ending candidates among the best k, and a greedy hypothesis that ends.
+        newly_finished = ends[:, :k] & ~beam_done[:, None] & (top_log_prob[:, :k] > _NEG / 2)
+        new_scores = tf.where(newly_finished, top_log_prob[:, :k] / penalty, _NEG)
+        greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+        finished_scores, best = tf.math.top_k(tf.concat([finished_scores, new_scores, greedy_score[:, None]], 1), k)
+        finished_tokens = tf.gather(
+            tf.concat([finished_tokens, top_tokens[:, :k], greedy_tokens[:, None]], 1), best, batch_dims=1
+        )
         num_finished += tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
-        done = done | (num_finished >= k) | (t + 1 >= limits)
+        beam_done = beam_done | (num_finished >= k) | (t + 1 >= limits)
 
         # Keep the best k that did not end.
         alive_log_prob, keep = tf.math.top_k(tf.where(ends, _NEG, top_log_prob), k)
         alive_tokens = tf.gather(top_tokens, keep, batch_dims=1)
-        beam = tf.gather(top_beam, keep, batch_dims=1)
-        rows = tf.reshape(tf.range(batch_size)[:, None] * k + beam, [-1])
+        source_row = tf.concat([tf.gather(top_beam, keep, batch_dims=1), tf.fill([batch_size, 1], k)], axis=1)
         cache = {
-            "self_attention": tf.gather(cache["self_attention"], rows, axis=1),
-            # Identical for every hypothesis of a sentence: nothing to reorder.
+            "self_attention": tf.gather(
+                cache["self_attention"], tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1]), axis=1
+            ),
+            # Identical for every row of a sentence: nothing to reorder.
             "cross_attention": cache["cross_attention"],
         }
-        last = tf.gather(top_token, keep, batch_dims=1)
-        return t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, done, cache
+        last = tf.concat([tf.gather(top_token, keep, batch_dims=1), greedy_token[:, None]], axis=1)
+        return (t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished,
+                beam_done, greedy_tokens, greedy_log_prob, greedy_done, cache)
 
     def not_done(t, *state):
-        done = state[6]
-        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(done)))
+        beam_done, greedy_done = state[6], state[9]
+        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(beam_done & greedy_done)))
 
     first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
     state = (
         tf.constant(0),
-        tf.fill([batch_size, k], tf.cast(start_id, tf.int32)),
+        tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
         tf.zeros([batch_size, k, steps], tf.int32),
         tf.tile(first_beam_only[None], [batch_size, 1]),
         tf.zeros([batch_size, k, steps], tf.int32),
         tf.fill([batch_size, k], _NEG),
         tf.zeros([batch_size], tf.int32),
+        tf.zeros([batch_size], tf.bool),
+        tf.zeros([batch_size, steps], tf.int32),
+        tf.zeros([batch_size], tf.float32),
         tf.zeros([batch_size], tf.bool),
         cache,
     )

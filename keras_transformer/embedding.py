@@ -121,7 +121,7 @@ class PositionalEmbedding(keras.layers.Layer):
         return self.dropout_layer(x, training=training)
 
     def compute_mask(self, token_ids, mask=None):
-        return tf.not_equal(token_ids, PAD_ID)
+        return keras.ops.not_equal(token_ids, PAD_ID)
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.d_model)

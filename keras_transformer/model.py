@@ -30,8 +30,8 @@ def _check_token_ids(name, token_ids):
             f"Transformer expects {name} of shape [batch, length] (rank 2), "
             f"got shape {tuple(token_ids.shape)}."
         )
-    if not token_ids.dtype.is_integer:
-        raise ValueError(f"Transformer expects integer token ids for {name}, got dtype {token_ids.dtype.name}.")
+    if not tf.as_dtype(token_ids.dtype).is_integer:
+        raise ValueError(f"Transformer expects integer token ids for {name}, got dtype {tf.as_dtype(token_ids.dtype).name}.")
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

@@ -1,0 +1,142 @@
+"""Greedy decoding and beam search: cache-exact, batch-independent, and beam >= greedy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+from conftest import random_ids
+from test_fit import END, START, copy_task
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """Trained one epoch on the copy task: it has learned END but is still unsure,
+    so beams really differ (a random model never says END)."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.0)
+    model.compile(optimizer=kt.paper_adam(model.d_model, 100), loss=kt.MaskedSparseCategoricalCrossentropy())
+    x, y = copy_task(np.random.default_rng(0), 2048)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def _sources(seed, n):
+    return copy_task(np.random.default_rng(seed), n)[0][0]
+
+
+def _model(seed, vocab=24):
+    # A random model spreads its probability, so beams really differ.
+    model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0)
+    model.build()
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
+    return model
+
+
+def _uncached_greedy(model, source, max_length):
+    """Greedy decoding by the definition: a full forward pass for every new token."""
+    target = np.full((len(source), 1), START, "int32")
+    finished = np.zeros(len(source), bool)
+    for t in range(max_length):
+        log_probs = tf.nn.log_softmax(model((source, target))[:, -1]).numpy()
+        log_probs[:, 0] = -np.inf  # padding is never produced
+        if t + 1 == max_length:
+            log_probs[:, np.arange(log_probs.shape[1]) != END] = -np.inf
+        token = np.where(finished, 0, log_probs.argmax(-1))
+        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
+        finished |= token == END
+        if finished.all():
+            break
+    return target[:, 1:]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cached_greedy_equals_uncached_greedy(seed):
+    model = _model(seed)
+    source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
+    source[1, 3:] = 0
+    tokens, _ = tf.function(lambda s: kt.greedy_decode(model, s, START, END, max_length=12))(source)
+    expected = _uncached_greedy(model, source, max_length=12)
+    np.testing.assert_array_equal(tokens.numpy(), expected[:, : tokens.shape[1]])
+    assert (expected[:, tokens.shape[1] :] == 0).all()
+
+
+def test_beam_size_one_is_greedy(copy_model):
+    source = _sources(2, 32)
+    greedy = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
+    beam_of_one = tf.function(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=1))
+    greedy_tokens, greedy_scores = greedy(source)
+    beam_tokens, beam_scores = beam_of_one(source)
+    np.testing.assert_array_equal(beam_tokens.numpy(), greedy_tokens.numpy())
+    np.testing.assert_allclose(beam_scores.numpy(), greedy_scores.numpy(), rtol=1e-5)
+
+
+def test_beam_score_is_never_below_greedy(copy_model):
+    source = _sources(3, 128)
+    greedy = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
+    beam = tf.function(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4))
+    _, greedy_scores = greedy(source)
+    _, beam_scores = beam(source)
+    assert (beam_scores.numpy() >= greedy_scores.numpy() - 1e-5).all()
+    assert (beam_scores.numpy() > greedy_scores.numpy() + 1e-3).sum() > 10  # the beam finds better ones
+
+
+def test_scores_are_length_penalised_log_probabilities(copy_model):
+    source = _sources(4, 6)
+    beam = tf.function(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=3, alpha=0.6))
+    tokens, scores = beam(source)
+    # Recompute each sentence's log-probability with a full forward pass.
+    for i, row in enumerate(tokens.numpy()):
+        output = row[row != 0]
+        assert output[-1] == END
+        target_in = np.concatenate([[START], output[:-1]])[None].astype("int32")
+        log_probs = tf.nn.log_softmax(copy_model((source[i : i + 1], target_in))[0]).numpy()
+        log_prob = log_probs[np.arange(len(output)), output].sum()
+        assert scores.numpy()[i] == pytest.approx(log_prob / ((5 + len(output)) / 6) ** 0.6, rel=1e-4)
+
+
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
+    rng = np.random.default_rng(7)
+    sentence = np.array([[5, 9, 12, 4, 7, END]], "int32")
+    batch = np.zeros((4, 9), "int32")
+    batch[0] = np.append(rng.integers(4, 16, 8), END)  # longer
+    batch[1, :6] = sentence[0]
+    batch[2, :2] = [6, END]  # shorter
+    batch[3, :4] = [11, 5, 8, END]
+    if decode == "greedy":
+        run = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
+    else:
+        run = tf.function(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4))
+    alone_tokens, alone_score = run(sentence)
+    batch_tokens, batch_scores = run(batch)
+    alone = alone_tokens.numpy()[0]
+    np.testing.assert_array_equal(batch_tokens.numpy()[1][: len(alone)], alone)
+    assert (batch_tokens.numpy()[1][len(alone) :] == 0).all()
+    assert float(batch_scores[1]) == pytest.approx(float(alone_score[0]), rel=1e-5)
+
+
+def test_default_limit_is_source_length_plus_50():
+    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False)
+    model.build()
+    # An end token the model never prefers: only the length limit stops decoding.
+    bias = model.output_projection.bias
+    bias.assign(np.where(np.arange(24) == END, -1e4, bias.numpy()).astype("float32"))
+    source = np.zeros((2, 6), "int32")
+    source[0, :2] = [5, 6]
+    source[1, :6] = [5, 6, 7, 8, 9, 10]
+    for decode in (kt.greedy_decode, kt.beam_search):
+        tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
+        assert list((tokens != 0).sum(axis=1)) == [2 + 50, 6 + 50]
+        assert tokens[0, 51] == END and tokens[1, 55] == END
+
+
+def test_empty_batch_and_bad_rank():
+    model = _model(9)
+    tokens, scores = kt.greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
+    assert tokens.shape[0] == 0 and scores.shape == (0,)
+    tokens, scores = kt.beam_search(model, np.zeros((0, 4), "int32"), START, END)
+    assert tokens.shape[0] == 0 and scores.shape == (0,)
+    with pytest.raises(ValueError, match=r"source_ids of shape \[batch, source_len\]"):
+        kt.greedy_decode(model, np.zeros((4,), "int32"), START, END)

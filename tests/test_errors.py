@@ -1,0 +1,42 @@
+"""Mistakes a user can make get a message that names what was wrong."""
+
+import numpy as np
+import pytest
+
+import keras_transformer as kt
+
+
+def test_d_model_not_divisible_by_heads():
+    with pytest.raises(ValueError, match="d_model=30 and num_heads=4"):
+        kt.Transformer(vocab_size=10, d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="divisible"):
+        kt.EncoderLayer(d_model=10, num_heads=3, d_ff=8)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ValueError, match="Unknown preset 'huge'.*tiny, small, base, big"):
+        kt.Transformer.from_preset("huge", vocab_size=10)
+
+
+def test_vocabulary_must_be_given_once():
+    with pytest.raises(ValueError, match="vocab_size"):
+        kt.Transformer.from_preset("tiny")
+    with pytest.raises(ValueError, match="vocab_size"):
+        kt.Transformer.from_preset("tiny", vocab_size=10, source_vocab_size=10, target_vocab_size=10)
+
+
+def test_wrong_input_rank(tiny_model):
+    with pytest.raises(ValueError, match=r"source_ids of shape \[batch, length\] \(rank 2\), got shape \(5,\)"):
+        tiny_model((np.ones(5, "int32"), np.ones((1, 5), "int32")))
+    with pytest.raises(ValueError, match="target_ids of shape"):
+        tiny_model((np.ones((1, 5), "int32"), np.ones((1, 5, 1), "int32")))
+
+
+def test_float_ids_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="integer token ids"):
+        tiny_model((np.ones((1, 5), "float32"), np.ones((1, 5), "int32")))
+
+
+def test_learned_positions_need_max_length():
+    with pytest.raises(ValueError, match="max_length"):
+        kt.PositionalEmbedding(10, 8, learned_positions=True)

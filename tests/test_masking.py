@@ -1,0 +1,57 @@
+"""Paper definitions: the decoder is causal, and padding changes nothing."""
+
+import numpy as np
+
+from conftest import random_ids
+
+
+def test_decoder_is_causal(tiny_model):
+    rng = np.random.default_rng(0)
+    source = random_ids(rng, 2, 7)
+    target = random_ids(rng, 2, 9)
+    logits = tiny_model((source, target)).numpy()
+    for t in range(target.shape[1] - 1):
+        changed = target.copy()
+        changed[:, t + 1 :] = random_ids(rng, 2, target.shape[1] - t - 1)
+        assert (changed[:, t + 1 :] != target[:, t + 1 :]).any()
+        new_logits = tiny_model((source, changed)).numpy()
+        np.testing.assert_allclose(new_logits[:, : t + 1], logits[:, : t + 1], atol=1e-5)
+        # And the change is seen where it may be: the next position moves.
+        assert np.abs(new_logits[:, t + 1] - logits[:, t + 1]).max() > 1e-4
+
+
+def test_source_padding_changes_nothing(tiny_model):
+    rng = np.random.default_rng(1)
+    source = random_ids(rng, 3, 6)
+    source[1, 4:] = 0  # rows of different lengths in one batch
+    target = random_ids(rng, 3, 5)
+    logits = tiny_model((source, target)).numpy()
+    padded = np.pad(source, [(0, 0), (0, 5)])
+    np.testing.assert_allclose(tiny_model((padded, target)).numpy(), logits, atol=1e-5)
+    # Row 1 alone, with no padding at all, gives the same logits as in the batch.
+    alone = tiny_model((source[1:2, :4], target[1:2])).numpy()
+    np.testing.assert_allclose(alone, logits[1:2], atol=1e-5)
+
+
+def test_target_padding_changes_nothing_at_real_positions(tiny_model):
+    rng = np.random.default_rng(2)
+    source = random_ids(rng, 2, 6)
+    target = random_ids(rng, 2, 5)
+    logits = tiny_model((source, target)).numpy()
+    padded = np.pad(target, [(0, 0), (0, 4)])
+    new_logits = tiny_model((source, padded)).numpy()
+    np.testing.assert_allclose(new_logits[:, :5], logits, atol=1e-5)
+
+
+def test_padding_is_never_attended_even_with_extreme_pad_embeddings(tiny_model):
+    """If pad keys leaked into attention, a huge pad embedding would show."""
+    rng = np.random.default_rng(3)
+    source = random_ids(rng, 2, 6)
+    source[0, 3:] = 0
+    target = random_ids(rng, 2, 4)
+    before = tiny_model((source, target)).numpy()
+    table = tiny_model.target_embedding.token_embedding.embeddings
+    table.assign(np.concatenate([np.full((1, table.shape[1]), 50.0, "float32"), table.numpy()[1:]]))
+    after = tiny_model((source, target)).numpy()
+    # Column 0 is the pad logit itself, which the tied projection does change.
+    np.testing.assert_allclose(after[..., 1:], before[..., 1:], atol=1e-4)
