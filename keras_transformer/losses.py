@@ -13,7 +13,9 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     The target distribution puts 1 - label_smoothing + label_smoothing / V on
     the reference token and label_smoothing / V on every other (Keras'
     convention; eps_ls = 0.1 in the paper). Positions whose reference id is 0
-    (padding) contribute nothing; the result is the mean over real tokens.
+    (padding) contribute nothing; the result is the mean over real tokens
+    (per replica under tf.distribute, where Keras divides it by the replicas
+    so that the summed gradients average them).
 
     Shapes:
         y_true `[batch, length]` int ids, y_pred `[batch, length, vocab]` logits
@@ -37,7 +39,12 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         uniform = -tf.reduce_mean(log_probs, axis=-1)
         per_token = (1.0 - self.label_smoothing) * nll + self.label_smoothing * uniform
         mask = tf.cast(tf.not_equal(y_true, PAD_ID), tf.float32)
-        return tf.reduce_sum(per_token * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+        # Keras reduces with the mean over all positions, then divides by the
+        # replicas in sync under tf.distribute (a scalar returned here would
+        # skip that). Weighting real tokens by positions / real tokens turns
+        # that mean into the mean over real tokens.
+        positions = tf.cast(tf.size(mask), tf.float32)
+        return per_token * mask * (positions / tf.maximum(tf.reduce_sum(mask), 1.0))
 
     def get_config(self):
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
