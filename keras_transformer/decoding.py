@@ -53,6 +53,24 @@ def _next_token_log_probs(logits, at_limit, end_id):
     return tf.where(banned, _NEG, log_probs)
 
 
+def _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache):
+    """`(t, last [rows], outputs [rows, steps], cache) -> (logits [rows, vocab], cache)`.
+
+    With the cache, one decoder step for the token at position t. Without it,
+    the whole prefix again (start id + outputs so far), as decoding is defined:
+    the slow reference the cache must equal.
+    """
+    if use_cache:
+        def next_logits(t, last, outputs, cache):
+            return model.decode_step(last, t, encoder_output, source_mask, cache)
+    else:
+        def next_logits(t, last, outputs, cache):
+            start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
+            prefix = tf.concat([start, outputs[:, :t]], axis=1)
+            return model.decode(prefix, encoder_output, source_mask)[:, t], cache
+    return next_logits
+
+
 def _greedy_choice(log_probs, finished):
     """The most likely token of each row and its log-probability; PAD and 0 once finished."""
     token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
@@ -91,7 +109,7 @@ def _trim(tokens):
     return tokens[:, :length]
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6):
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True):
     """Batched greedy decoding with the key/value cache.
 
     Args:
@@ -101,6 +119,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         max_length: most output tokens (end token included); by default each
             sentence gets its own source length + 50.
         alpha: length-penalty exponent for the reported score.
+        use_cache: False recomputes the whole prefix every step (same tokens,
+            slower; for checks and benchmarks).
 
     Returns:
         tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at
@@ -111,9 +131,10 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     """
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
+    next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
 
     def step(t, last, finished, log_prob, lengths, tokens, cache):
-        logits, cache = model.decode_step(last, t, encoder_output, source_mask, cache)
+        logits, cache = next_logits(t, last, tokens, cache)
         log_probs = _next_token_log_probs(logits, t + 1 >= limits, end_id)
         token, token_log_prob = _greedy_choice(log_probs, finished)
         log_prob += token_log_prob
@@ -132,13 +153,13 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         tf.zeros([batch_size], tf.float32),
         tf.zeros([batch_size], tf.int32),
         tf.zeros([batch_size, steps], tf.int32),
-        model.init_decoding_cache(encoder_output, steps),
+        model.init_decoding_cache(encoder_output, steps) if use_cache else {},
     )
     _, _, _, log_prob, lengths, tokens, _ = _while_loop(not_done, step, state)
     return _trim(tokens), log_prob / length_penalty(lengths, alpha)
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -160,6 +181,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: length-penalty exponent (0.6 in the paper).
         max_length: most output tokens; by default source length + 50.
+        use_cache: False recomputes the whole prefix every step (same result,
+            slower; for checks and benchmarks).
 
     Returns:
         tokens: int32 `[batch, length]`, the best finished hypothesis, padded
@@ -172,16 +195,18 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     rows = k + 1  # per sentence: k beams, then the greedy hypothesis
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
-    cache = model.init_decoding_cache(encoder_output, steps)
+    cache = model.init_decoding_cache(encoder_output, steps) if use_cache else {}
     # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
     cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=1), cache)
     encoder_output = tf.repeat(encoder_output, rows, axis=0)
     source_mask = tf.repeat(source_mask, rows, axis=0)
     row_limits = tf.repeat(limits, rows, axis=0)
+    next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
 
     def step(t, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, beam_done,
              greedy_tokens, greedy_log_prob, greedy_done, cache):
-        logits, cache = model.decode_step(tf.reshape(last, [-1]), t, encoder_output, source_mask, cache)
+        outputs = tf.reshape(tf.concat([alive_tokens, greedy_tokens[:, None]], axis=1), [batch_size * rows, -1])
+        logits, cache = next_logits(t, tf.reshape(last, [-1]), outputs, cache)
         log_probs = _next_token_log_probs(logits, t + 1 >= row_limits, end_id)
         vocab_size = tf.shape(log_probs)[-1]
         log_probs = tf.reshape(log_probs, [batch_size, rows, vocab_size])
@@ -216,13 +241,14 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         alive_log_prob, keep = tf.math.top_k(tf.where(ends, _NEG, top_log_prob), k)
         alive_tokens = tf.gather(top_tokens, keep, batch_dims=1)
         source_row = tf.concat([tf.gather(top_beam, keep, batch_dims=1), tf.fill([batch_size, 1], k)], axis=1)
-        cache = {
-            "self_attention": tf.gather(
-                cache["self_attention"], tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1]), axis=1
-            ),
-            # Identical for every row of a sentence: nothing to reorder.
-            "cross_attention": cache["cross_attention"],
-        }
+        if use_cache:
+            cache = {
+                "self_attention": tf.gather(
+                    cache["self_attention"], tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1]), axis=1
+                ),
+                # Identical for every row of a sentence: nothing to reorder.
+                "cross_attention": cache["cross_attention"],
+            }
         last = tf.concat([tf.gather(top_token, keep, batch_dims=1), greedy_token[:, None]], axis=1)
         return (t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished,
                 beam_done, greedy_tokens, greedy_log_prob, greedy_done, cache)

@@ -62,6 +62,23 @@ def test_cached_greedy_equals_uncached_greedy(seed):
     assert (expected[:, tokens.shape[1] :] == 0).all()
 
 
+@pytest.mark.parametrize("beam_size", [None, 1, 3])
+def test_cached_decoding_equals_uncached_decoding(copy_model, beam_size):
+    source = _sources(8, 16)
+    if beam_size is None:
+        cached = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
+        uncached = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END, use_cache=False))
+    else:
+        cached = tf.function(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=beam_size))
+        uncached = tf.function(
+            lambda s: kt.beam_search(copy_model, s, START, END, beam_size=beam_size, use_cache=False)
+        )
+    cached_tokens, cached_scores = cached(source)
+    uncached_tokens, uncached_scores = uncached(source)
+    np.testing.assert_array_equal(cached_tokens.numpy(), uncached_tokens.numpy())
+    np.testing.assert_allclose(cached_scores.numpy(), uncached_scores.numpy(), rtol=1e-4)
+
+
 def test_beam_size_one_is_greedy(copy_model):
     source = _sources(2, 32)
     greedy = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
