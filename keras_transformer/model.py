@@ -160,6 +160,11 @@ class Transformer(keras.Model):
             self.output_projection.build(hidden_shape)
         self.built = True
 
+    def _build_once(self):
+        # encode/decode/decoding may be the first thing a user calls.
+        if not self.built:
+            self.build()
+
     def call(self, inputs, training=None):
         source_ids, target_ids = inputs
         encoder_output = self.encode(source_ids, training=training)
@@ -168,6 +173,7 @@ class Transformer(keras.Model):
     def encode(self, source_ids, training=None):
         """Source ids `[batch, source_len]` -> encoder output `[batch, source_len, d_model]`."""
         _check_token_ids("source_ids", source_ids)
+        self._build_once()
         embedding = self.source_embedding or self.target_embedding
         x = embedding(source_ids, training=training)
         return self.encoder(x, padding_mask=padding_mask(source_ids), training=training)
@@ -178,6 +184,7 @@ class Transformer(keras.Model):
         `encoder_padding_mask` is `padding_mask(source_ids)`, `[batch, source_len]`.
         """
         _check_token_ids("target_ids", target_ids)
+        self._build_once()
         x = self.target_embedding(target_ids, training=training)
         x = self.decoder(
             x,
@@ -206,6 +213,7 @@ class Transformer(keras.Model):
         Returns a dict of two tensors shaped
         `[num_decoder_layers, batch, 2, length, num_heads, d_model // num_heads]`.
         """
+        self._build_once()
         batch_size = tf.shape(encoder_output)[0]
         return {
             "self_attention": self.decoder.empty_cache(batch_size, max_length),

@@ -60,3 +60,9 @@ def test_incremental_decoding_equals_full_pass_pre_norm_separate_vocab():
     full = model((source, target)).numpy()
     assert full.shape == (2, 4, 50)
     np.testing.assert_allclose(_step_by_step_logits(model, source, target), full, atol=1e-5)
+
+
+def test_decoding_works_on_a_model_never_called():
+    model = kt.Transformer.from_preset("tiny", vocab_size=20)
+    tokens, scores = kt.greedy_decode(model, np.array([[5, 6, 3]], "int32"), start_id=2, end_id=3, max_length=4)
+    assert tokens.shape[0] == 1 and scores.shape == (1,)
