@@ -120,3 +120,133 @@ def test_two_replicas_match_one_replica():
     # Adam at most 1% of the weights may differ by more than 1e-5.
     assert results["sgd"]["weight_diff"] < 1e-5, results["sgd"]
     assert results["adam"]["weight_frac_differ"] < 0.01, results["adam"]
+
+
+# ---------------------------------------------------------------------------
+# Shared: a small parallel corpus in tmp (first lines of Multi30k train).
+
+
+def _small_corpus(tmp_path, n=600):
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    for lang, out in (("en", src), ("de", tgt)):
+        lines = (MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:n]
+        out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return src, tgt
+
+
+def _train_cmd(model_dir, src, tgt, *extra):
+    return [sys.executable, "-m", "training.train", "--preset", "tiny", "--train-files", str(src), str(tgt),
+            "--source-lang", "en", "--target-lang", "de", "--model-dir", str(model_dir),
+            "--vocab-size", "500", "--tokens-per-batch", "400", "--max-length", "40",
+            "--no-validation", "--verbose", "2", *extra]
+
+
+# ---------------------------------------------------------------------------
+# 2. SIGKILL mid-epoch, restart, resume from the backup, finish the planned epochs.
+
+
+def _read_meta(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_sigkill_mid_epoch_then_resume(tmp_path):
+    src, tgt = _small_corpus(tmp_path)
+    model_dir = tmp_path / "run"
+    epochs, steps = 3, 30
+    cmd = _train_cmd(model_dir, src, tgt, "--epochs", str(epochs), "--steps-per-epoch", str(steps),
+                     "--backup-every", "5")
+    meta_path = model_dir / "backup" / "training_metadata.json"
+    log1 = open(tmp_path / "run1.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            meta = _read_meta(meta_path)
+            if meta and meta["epoch"] >= 1 and meta["batch"] > 0:  # mid-way through epoch 2
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "training ended before it could be killed:\n" + (tmp_path / "run1.log").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log1.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (model_dir / "model.keras").exists()  # it did not finish
+    killed_at = _read_meta(meta_path)  # the backup the restart will find
+    assert killed_at["epoch"] >= 1 and 0 < killed_at["batch"] < steps
+    assert killed_at["step"] == killed_at["epoch"] * steps + killed_at["batch"] + 1
+
+    proc2 = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    out = proc2.stdout + proc2.stderr
+    assert proc2.returncode == 0, out[-3000:]
+    # Resumed from the mid-epoch backup: its epoch and optimizer step, not from zero.
+    assert (f"[kt-train] resumed from backup: epoch {killed_at['epoch'] + 1} "
+            f"(backup taken after batch {killed_at['batch']} of it), optimizer step {killed_at['step']}") in out
+    summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
+    # Only the remaining epochs ran, starting with the interrupted one ...
+    assert summary["epochs_run"] == list(range(killed_at["epoch"] + 1, epochs + 1))
+    # ... continuing the optimizer's step count from the backup.
+    assert summary["optimizer_steps"] == killed_at["step"] + (epochs - killed_at["epoch"]) * steps
+    # Every planned epoch is in the history (first run + resumed run), none lost.
+    rows = (model_dir / "history.csv").read_text().strip().splitlines()[1:]
+    assert sorted(int(r.split(",")[0]) for r in rows) == list(range(epochs))
+    assert (model_dir / "model.keras").exists()
+    assert not (model_dir / "backup").exists()  # removed after a finished run
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
+        f"epoch-{e:03d}.weights.h5" for e in range(1, epochs + 1)]
+
+
+# ---------------------------------------------------------------------------
+# 3. MultiWorkerMirroredStrategy: two local worker processes.
+
+
+def _free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_two_worker_multiworker_mirrored(tmp_path):
+    src, tgt = _small_corpus(tmp_path, n=300)
+    model_dir = tmp_path / "mw"
+    workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+    procs = []
+    for i in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+        cmd = _train_cmd(model_dir, src, tgt, "--epochs", "1", "--steps-per-epoch", "4")
+        log = open(tmp_path / f"worker{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(TF_CONFIG=json.dumps(tf_config)),
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for p, _ in procs:
+            p.wait(timeout=240)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    outs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    for (p, _), out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    summaries = []
+    for i, out in enumerate(outs):
+        assert f"MultiWorkerMirroredStrategy, worker {i + 1}/2" in out
+        summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
+        assert summary["replicas"] == 2 and summary["optimizer_steps"] == 4
+        summaries.append(summary)
+    # The logged loss is averaged over the workers, so both report the same value.
+    assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=1e-6)
+    assert (model_dir / "model.keras").exists()  # written by the chief (worker 0)

@@ -267,10 +267,33 @@ def build_and_compile(cfg, vocab_size: int, optimizer=None):
     # Keras 3.15's fit() under tf.distribute builds them from the first batch
     # reduced with strategy.reduce("MEAN"), which turns the int token ids into
     # floats, and the Transformer rejects non-integer ids.
+    # With everything built, also skip fit()'s own pre-build: it pulls one batch
+    # from the distributed iterator and all-reduces it (MEAN) across replicas,
+    # which fails under MultiWorkerMirroredStrategy when workers' batches differ
+    # in shape (PerReplica conversion error), and wastes a batch otherwise.
     symbolic_build = getattr(model, "_symbolic_build", None)
-    if symbolic_build is not None:
+    if symbolic_build is not None and hasattr(model, "_maybe_symbolic_build"):
         symbolic_build(data_batch=((dummy, dummy), dummy))
+        model._maybe_symbolic_build = lambda *args, **kwargs: None
     return model
+
+
+def _rank1_step_logs(model) -> None:
+    """Under MultiWorkerMirroredStrategy, Keras 3.15's fit() averages each step's
+    logs across workers with `strategy.reduce("MEAN", v, axis=0)`, which fails on
+    the scalar loss/metric values ("Invalid reduction dimension 0 for input with
+    0 dimensions"). Returning them with shape [1] from the step makes that
+    reduction the mean over workers, a scalar again."""
+    import tensorflow as tf
+
+    def rank1(step):
+        def wrapped(data):
+            return {k: tf.reshape(v, [1]) for k, v in step(data).items()}
+
+        return wrapped
+
+    model.train_step = rank1(model.train_step)
+    model.test_step = rank1(model.test_step)
 
 
 def set_precision(cfg) -> str:
@@ -365,9 +388,13 @@ def train(cfg: dict, strategy=None) -> dict:
     policy = set_precision(cfg)
     with strategy.scope():
         model = build_and_compile(cfg, vocab_size)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        _rank1_step_logs(model)
     if is_chief:
         write_config(cfg, model_dir, vocab_size, model, policy)
-    print(f"[kt-train] {replicas} replica(s) ({type(strategy).__name__}, worker {task_index + 1}/{num_workers}), "
+    strategy_name = ("MultiWorkerMirroredStrategy" if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+                     else type(strategy).__name__)
+    print(f"[kt-train] {replicas} replica(s) ({strategy_name}, worker {task_index + 1}/{num_workers}), "
           f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
 
