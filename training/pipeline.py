@@ -85,8 +85,14 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
         drop_remainder=drop_remainder,
     )
     if num_replicas > 1 and not drop_remainder:
-        # A leftover batch smaller than the replica count would leave a replica empty.
-        ds = ds.filter(lambda s, ti, to: tf.shape(s)[0] % num_replicas == 0)
+        # A bucket's leftover batch may not split evenly over the replicas: trim it
+        # to a multiple of num_replicas (drops at most num_replicas - 1 pairs per
+        # bucket and epoch, different ones each epoch when shuffled).
+        def trim(s, ti, to):
+            n = tf.shape(s)[0] // num_replicas * num_replicas
+            return s[:n], ti[:n], to[:n]
+
+        ds = ds.map(trim).filter(lambda s, ti, to: tf.shape(s)[0] > 0)
     if shuffle:
         ds = ds.shuffle(64, seed=seed, reshuffle_each_iteration=True)
     if repeat:

@@ -1,0 +1,140 @@
+"""Data sources and bad input: Multi30k TFDS builder, parallel files, clear errors."""
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from training.data import (DataSpec, check_multi30k_dir, load_text_pairs, read_parallel_files,
+                           resolve_multi30k_dir)
+from training.errors import DataError, DataNotFoundError, LineCountMismatchError
+
+REPO = Path(__file__).resolve().parents[1]
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+needs_multi30k = pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tfds"))
+
+
+@needs_multi30k
+def test_multi30k_tfds_builder_reads_local_files(tfds_dir):
+    spec = DataSpec(dataset="multi30k", source_lang="en", target_lang="de", data_dir=str(MULTI30K),
+                    tfds_data_dir=tfds_dir)
+    counts = {split: sum(1 for _ in load_text_pairs(spec, split))
+              for split in ("train", "validation", "test_2016_flickr")}
+    assert counts == {"train": 29000, "validation": 1014, "test_2016_flickr": 1000}
+    # Same text as the files, in the requested direction (en -> de); the TAB inside
+    # train.de line 7366 survives.
+    en = (MULTI30K / "test_2016_flickr.en").read_text(encoding="utf-8").splitlines()
+    de = (MULTI30K / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
+    got = {s.decode(): t.decode() for s, t in load_text_pairs(spec, "test").as_numpy_iterator()}
+    assert got == dict(zip(en, de))
+    de_train = [t.decode() for _, t in load_text_pairs(spec, "train").as_numpy_iterator()]
+    tab_line = (MULTI30K / "train.de").read_text(encoding="utf-8").split("\n")[7365]
+    assert "\t" in tab_line and tab_line in de_train
+    # The reverse direction and another pair come from the same builder.
+    rev = DataSpec(dataset="multi30k", source_lang="de", target_lang="en", data_dir=str(MULTI30K),
+                   tfds_data_dir=tfds_dir)
+    first_rev = next(load_text_pairs(rev, "test").as_numpy_iterator())
+    assert got[first_rev[1].decode()] == first_rev[0].decode()
+    fr = DataSpec(dataset="multi30k", source_lang="en", target_lang="fr", data_dir=str(MULTI30K),
+                  tfds_data_dir=tfds_dir)
+    assert sum(1 for _ in load_text_pairs(fr, "validation", max_examples=10)) == 10
+
+
+@needs_multi30k
+def test_multi30k_dir_from_environment_variable(monkeypatch):
+    monkeypatch.setenv("KT_MULTI30K_DIR", str(MULTI30K))
+    assert resolve_multi30k_dir(None) == MULTI30K
+    assert resolve_multi30k_dir(str(MULTI30K)) == MULTI30K
+
+
+def test_missing_data_directory_says_how_to_get_it(tmp_path, monkeypatch):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(DataNotFoundError) as e:
+        resolve_multi30k_dir(str(missing))
+    msg = str(e.value)
+    assert str(missing) in msg and "does not exist" in msg
+    assert "github.com/multi30k/dataset" in msg and "--data-dir" in msg and "KT_MULTI30K_DIR" in msg
+    monkeypatch.setenv("KT_MULTI30K_DIR", str(missing))
+    with pytest.raises(DataNotFoundError, match="KT_MULTI30K_DIR"):
+        resolve_multi30k_dir(None)
+
+
+def test_incomplete_data_directory_lists_missing_files(tmp_path):
+    (tmp_path / "train.en").write_text("a\n")
+    with pytest.raises(DataNotFoundError) as e:
+        check_multi30k_dir(tmp_path, ("en", "de"))
+    msg = str(e.value)
+    assert str(tmp_path / "train.de") in msg and str(tmp_path / "val.en") in msg
+    assert str(tmp_path / "train.en") + "," not in msg  # present files are not listed
+
+
+def test_mismatched_line_counts_name_both_files_and_counts(tmp_path):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    tgt.write_text("eins\nzwei\n", encoding="utf-8")
+    with pytest.raises(LineCountMismatchError) as e:
+        read_parallel_files(src, tgt)
+    msg = str(e.value)
+    assert str(src) in msg and str(tgt) in msg and "3 lines" in msg and "2 lines" in msg
+
+
+def test_empty_lines_are_skipped_and_counted(tmp_path, caplog):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_text("one\n\nthree\nfour\n  \n", encoding="utf-8")
+    tgt.write_text("eins\nzwei\n\nvier\nfünf\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="training.data"):
+        s, t, stats = read_parallel_files(src, tgt)
+    assert s == ["one", "four"] and t == ["eins", "vier"]
+    assert (stats.lines, stats.kept, stats.empty_skipped) == (5, 2, 3)
+    assert stats.empty_line_numbers == [2, 3, 5]
+    assert "Skipped 3 empty line pair(s)" in caplog.text and str(src) in caplog.text
+
+
+def test_lines_kept_verbatim(tmp_path):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_bytes("tab\tinside\r\nlast line no newline".encode())
+    tgt.write_bytes("Tab\tdrin\nletzte Zeile".encode())
+    s, t, _ = read_parallel_files(src, tgt)
+    assert s == ["tab\tinside", "last line no newline"] and t == ["Tab\tdrin", "letzte Zeile"]
+
+
+def test_missing_file_and_unknown_tfds_name(tmp_path):
+    (tmp_path / "a.en").write_text("x\n")
+    with pytest.raises(DataNotFoundError, match="b.de"):
+        read_parallel_files(tmp_path / "a.en", tmp_path / "b.de")
+    spec = DataSpec(dataset="no_such_dataset_xyz", tfds_data_dir=str(tmp_path))
+    with pytest.raises(DataError, match="no_such_dataset_xyz"):
+        load_text_pairs(spec, "train")
+
+
+def test_files_dataset(tmp_path):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    tgt.write_text("eins\nzwei\ndrei\n", encoding="utf-8")
+    spec = DataSpec(dataset="files", files={"train": (str(src), str(tgt))})
+    pairs = [(s.decode(), t.decode()) for s, t in load_text_pairs(spec, "train", max_examples=2).as_numpy_iterator()]
+    assert pairs == [("one", "eins"), ("two", "zwei")]
+    with pytest.raises(DataError, match="validation"):
+        load_text_pairs(spec, "validation")
+
+
+def test_train_cli_reports_bad_data_clearly(tmp_path, capsys):
+    """kt-train exits with status 2 and the clear message, no traceback."""
+    from training.train import main
+
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_text("one\ntwo\nthree\n", encoding="utf-8")
+    tgt.write_text("eins\nzwei\n", encoding="utf-8")
+    args = ["--preset", "tiny", "--model-dir", str(tmp_path / "run"), "--epochs", "1"]
+    assert main(args + ["--train-files", str(src), str(tgt)]) == 2
+    err = capsys.readouterr().err
+    assert "kt-train: error:" in err and str(src) in err and "3 lines" in err and "2 lines" in err
+    assert main(args + ["--data-dir", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "github.com/multi30k/dataset" in err

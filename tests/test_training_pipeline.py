@@ -1,0 +1,129 @@
+"""Tokenizer round trip, special ids, and the bucketed tf.data batches."""
+
+import collections
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import tensorflow as tf
+
+from training.pipeline import bucket_batch_sizes, bucket_boundaries, encode_source, make_batches
+from training.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, load_model_proto, make_tokenizer,
+                                save_model_proto, train_sentencepiece, vocab_size_of)
+
+REPO = Path(__file__).resolve().parents[1]
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+pytestmark = pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+
+
+def _lines(name, n=None):
+    lines = (MULTI30K / name).read_text(encoding="utf-8").split("\n")[:-1]
+    return lines[:n] if n else lines
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return _lines("train.en", 3000), _lines("train.de", 3000)
+
+
+@pytest.fixture(scope="module")
+def proto(corpus):
+    return train_sentencepiece(corpus[0] + corpus[1], vocab_size=1000)
+
+
+def test_special_ids_and_vocab(proto, tmp_path):
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
+    assert vocab_size_of(proto) == 1000
+    # Joint vocabulary: pieces from both languages.
+    assert sp.piece_to_id("▁Ein") != UNK_ID and sp.piece_to_id("▁A") != UNK_ID
+    # Saved next to the model as tokenizer.model, read back byte for byte.
+    path = save_model_proto(proto, tmp_path)
+    assert path.name == "tokenizer.model" and load_model_proto(tmp_path) == proto
+
+
+def test_tokenizer_round_trip(proto):
+    tok = make_tokenizer(proto)
+    # Held-out sentences (validation), both languages, cased; plus characters the
+    # vocabulary never saw (byte fallback keeps them reversible).
+    # "Ordinary text": NFKC-normal with single spaces (sentencepiece's nmt_nfkc
+    # normalization maps e.g. a no-break space to a space, and squeezes spaces).
+    texts = _lines("val.en", 300) + _lines("val.de", 300) + ["Žluťoučký kůň — 42 € „quoted“ ÄÖÜß"]
+    ordinary = [t for t in texts if unicodedata.normalize("NFKC", t) == t and "  " not in t and t == t.strip()]
+    assert len(ordinary) >= 0.98 * len(texts)
+    texts = ordinary
+    ids = tok.tokenize(texts)
+    assert ids.dtype == tf.int32
+    assert not tf.reduce_any(tf.equal(ids.flat_values, UNK_ID))
+    back = [b.decode("utf-8") for b in tok.detokenize(ids).numpy()]
+    assert back == texts
+    # Same ids as the sentencepiece package itself (no bos/eos added by the tokenizer).
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    assert ids[0].numpy().tolist() == sp.encode(texts[0])
+    # Works inside a tf.function graph (as in tf.data and an exported model).
+    f = tf.function(lambda s: tok.detokenize(tok.tokenize(s)))
+    assert f(tf.constant(texts[:5])).numpy().tolist() == [t.encode() for t in texts[:5]]
+
+
+def test_encode_source_appends_eos_and_truncates(proto):
+    tok = make_tokenizer(proto)
+    src = encode_source(tok, tf.constant(["A dog runs.", "Two men are playing soccer on a big green field."]), 6)
+    rows = src.to_list()
+    assert all(r[-1] == EOS_ID and EOS_ID not in r[:-1] and BOS_ID not in r for r in rows)
+    assert len(rows[1]) == 6
+
+
+def test_bucket_sizes_follow_budget():
+    bounds = bucket_boundaries(100)
+    assert bounds == sorted(bounds) and bounds[-1] <= 100
+    sizes = bucket_batch_sizes(bounds, 100, 2000, num_replicas=2)
+    longest = [b - 1 for b in bounds] + [100]
+    assert all(s * n <= 2000 and s % 2 == 0 for s, n in zip(sizes, longest))
+    assert sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        bucket_batch_sizes(bounds, 100, 150, num_replicas=2)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_batches_budget_padding_and_ids(proto, corpus, replicas):
+    tok = make_tokenizer(proto)
+    src_text, tgt_text = corpus[0][:1500], corpus[1][:1500]
+    budget, max_len = 600, 40
+    pairs = tf.data.Dataset.from_tensor_slices((src_text, tgt_text))
+    ds = make_batches(pairs, tok, max_length=max_len, tokens_per_batch=budget, num_replicas=replicas,
+                      shuffle=True, seed=7)
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    expected = collections.Counter(
+        sp.decode(sp.encode(t)) for s, t in zip(src_text, tgt_text)
+        if len(sp.encode(s)) + 1 <= max_len and len(sp.encode(t)) + 1 <= max_len)
+    got, sizes = collections.Counter(), set()
+    for (source, target_in), target_out in ds:
+        source, target_in, target_out = source.numpy(), target_in.numpy(), target_out.numpy()
+        b = source.shape[0]
+        sizes.add(b)
+        # Token budget on each side, counting padding; equal share per replica.
+        assert b * source.shape[1] <= budget and b * target_in.shape[1] <= budget
+        assert b % replicas == 0
+        assert source.shape[1] <= max_len and target_in.shape[1] <= max_len
+        assert target_in.shape == target_out.shape
+        for s, ti, to in zip(source, target_in, target_out):
+            n_s, n_t = int((s != PAD_ID).sum()), int((to != PAD_ID).sum())
+            # Real tokens first, then only padding.
+            assert (s[:n_s] != PAD_ID).all() and (s[n_s:] == PAD_ID).all()
+            assert (to[:n_t] != PAD_ID).all() and (to[n_t:] == PAD_ID).all()
+            # source: pieces + eos; target_in: bos + pieces; target_out: pieces + eos.
+            assert s[n_s - 1] == EOS_ID and EOS_ID not in s[: n_s - 1] and BOS_ID not in s
+            assert ti[0] == BOS_ID and (ti[1:n_t] == to[: n_t - 1]).all() and (ti[n_t:] == PAD_ID).all()
+            assert to[n_t - 1] == EOS_ID and EOS_ID not in to[: n_t - 1] and BOS_ID not in to
+            got[sp.decode(to[: n_t - 1].tolist())] += 1
+    # Several bucket sizes, and every kept pair (nothing but over-long ones dropped,
+    # with 2 replicas at most one pair per bucket).
+    assert len(sizes) > 2
+    if replicas == 1:
+        assert got == expected
+    else:
+        # A leftover batch is trimmed to an even size: at most one pair lost per bucket.
+        assert not (got - expected)
+        assert sum(expected.values()) - sum(got.values()) <= len(bucket_boundaries(max_len)) + 1
