@@ -1,0 +1,101 @@
+"""Export a trained translator as a SavedModel that TF Serving serves.
+
+    python -m export.export_model --model-dir runs/en-de --export-dir exports [--name translator]
+    kt-export --model-dir runs/en-de --export-dir exports
+
+Writes TF Serving's layout EXPORT_DIR/NAME/VERSION/ (saved_model.pb,
+variables/, assets/tokenizer.model), VERSION being 1 or the next integer
+after the highest existing one. The version directory appears atomically
+(written under a hidden temporary name, then renamed), so a model server
+polling EXPORT_DIR/NAME never loads a half-written version.
+
+Signatures: serving_default (text -> translation, score; beam search),
+greedy (same, greedy decoding), translate_ids (source_ids -> tokens, score),
+tokenize (text -> source_ids). See export/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def next_version(base: Path) -> int:
+    """1 + the highest integer-named subdirectory of `base` (1 if none)."""
+    versions = [int(p.name) for p in base.iterdir() if p.is_dir() and p.name.isdigit()] if base.is_dir() else []
+    return max(versions, default=0) + 1
+
+
+def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
+           use_cache=True, check_ops=True) -> Path:
+    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION."""
+    from export.translator import from_model_dir
+
+    base = Path(export_dir) / name
+    base.mkdir(parents=True, exist_ok=True)
+    version = next_version(base) if version is None else int(version)
+    target = base / str(version)
+    if target.exists():
+        raise FileExistsError(f"{target} exists; omit --version to write the next version")
+    translator, _ = from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
+                                   use_cache=use_cache)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
+    try:
+        translator.save(tmp)
+        if check_ops:
+            from export.graph_ops import registered_ops, saved_model_ops, unservable_ops
+
+            bad = unservable_ops(saved_model_ops(tmp), registered_ops())
+            if bad:
+                raise RuntimeError(f"The exported graph has ops tensorflow_model_server cannot run: {bad}")
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="kt-export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="directory written by training.train "
+                   "(model.keras, tokenizer.model, config.json)")
+    p.add_argument("--export-dir", required=True, help="TF Serving base directory; writes EXPORT_DIR/NAME/VERSION")
+    p.add_argument("--name", default="translator", help="model name (TF Serving's --model_name; default translator)")
+    p.add_argument("--version", type=int, help="version number (default: next free integer)")
+    p.add_argument("--model-file", help="another .keras file in place of MODEL_DIR/model.keras (e.g. averaged)")
+    p.add_argument("--beam-size", type=int, default=4, help="beam size of serving_default (default 4)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="decode without the key/value cache (same output, slower; for benchmarks)")
+    p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
+                   help="do not check that every op is one tensorflow_model_server has")
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
+    t0 = time.time()
+    try:
+        path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
+                      model_file=args.model_file, beam_size=args.beam_size, alpha=args.alpha,
+                      use_cache=args.use_cache, check_ops=args.check_ops)
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"kt-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"Exported {path} in {time.time() - t0:.1f}s (beam {args.beam_size}, alpha {args.alpha}, "
+          f"{'cached' if args.use_cache else 'uncached'} decoding). Serve it with:\n"
+          f"  tensorflow_model_server --rest_api_port=8501 --port=8500 --model_name={args.name} "
+          f"--model_base_path={path.parent.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The ops of a SavedModel, and a check that TF Serving's model server has them.
+
+The stock `tensorflow_model_server` links TensorFlow's core ops and
+tensorflow-text's ops (`@org_tensorflow_text//tensorflow_text:ops_lib`).
+Anything else (ops from other pip packages, Python callbacks) makes TF Serving
+fail to load the model with "Op type not registered"; Python callbacks
+(`tf.py_function`) cannot run there, and XLA ops (`Xla*`, e.g. the
+`XlaDynamicUpdateSlice` of Keras 3's `slice_update`) fail at run time unless
+the server was started with `--xla_cpu_compilation_enabled`.
+
+    python -m export.graph_ops SAVED_MODEL_DIR     # prints the ops, exit 1 if any is not servable
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Registered in core TensorFlow, but they call back into Python: no model server can run them.
+PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def needs_xla(op: str) -> bool:
+    """XLA ops (tf2xla's `Xla*`): outside XLA TensorFlow compiles them on demand, which
+    `tensorflow_model_server` refuses unless started with `--xla_cpu_compilation_enabled`."""
+    return op.startswith(("Xla", "_Xla"))
+
+_REGISTERED_OPS_SCRIPT = r"""
+import json, sys
+import tensorflow as tf
+from tensorflow.core.framework import op_def_pb2
+from tensorflow.python.client import pywrap_tf_session as c
+
+def registered():
+    ops = op_def_pb2.OpList()
+    ops.ParseFromString(c.TF_GetBuffer(c.TF_GetAllOpList()))
+    return sorted(o.name for o in ops.op)
+
+core = registered()
+import tensorflow_text  # noqa: F401  (registers its ops)
+text = sorted(set(registered()) - set(core))
+mods = sorted(m.split(".")[0] for m in sys.modules)
+json.dump({"core": core, "tensorflow_text": text, "top_level_modules": sorted(set(mods))}, sys.stdout)
+"""
+
+
+def saved_model_ops(path) -> dict:
+    """{op type: count} over every graph node and every function of the SavedModel's function library.
+
+    Calls to library functions (a node whose op is a function name) are not ops and are left out.
+    """
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    sm = saved_model_pb2.SavedModel()
+    sm.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
+    counts: dict[str, int] = {}
+    for meta_graph in sm.meta_graphs:
+        graph = meta_graph.graph_def
+        functions = {f.signature.name for f in graph.library.function}
+        nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+        for node in nodes:
+            if node.op not in functions:
+                counts[node.op] = counts.get(node.op, 0) + 1
+    return counts
+
+
+def registered_ops(python=sys.executable) -> dict:
+    """Op names registered by core TensorFlow and by tensorflow-text, from a fresh process that
+    imports only tensorflow, then tensorflow_text: {"core": [...], "tensorflow_text": [...]}."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    out = subprocess.run([python, "-c", _REGISTERED_OPS_SCRIPT], capture_output=True, text=True, env=env,
+                         check=True, cwd="/")
+    return json.loads(out.stdout)
+
+
+def unservable_ops(ops, registered) -> list[str]:
+    """Ops of `ops` that are neither core TensorFlow nor tensorflow-text, or that need Python or XLA."""
+    allowed = set(registered["core"]) | set(registered["tensorflow_text"])
+    return sorted(op for op in ops if op not in allowed or op in PYTHON_OPS or needs_xla(op))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m export.graph_ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("saved_model", help="a SavedModel directory (EXPORT_DIR/NAME/VERSION)")
+    args = p.parse_args(argv)
+    ops = saved_model_ops(args.saved_model)
+    registered = registered_ops()
+    text_ops = set(registered["tensorflow_text"])
+    for op in sorted(ops):
+        origin = "tensorflow_text" if op in text_ops else ("core" if op in registered["core"] else "UNKNOWN")
+        if needs_xla(op) or op in PYTHON_OPS:
+            origin += ", NOT SERVABLE (" + ("XLA" if needs_xla(op) else "Python") + ")"
+        print(f"{op:40s} {ops[op]:6d}  {origin}")
+    bad = unservable_ops(ops, registered)
+    if bad:
+        print(f"Not servable by tensorflow_model_server: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    print(f"{len(ops)} op types, all core TensorFlow or tensorflow-text (no Python, no XLA).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
