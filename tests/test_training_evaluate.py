@@ -1,0 +1,147 @@
+"""Evaluation (sacreBLEU), decoding a trained model, checkpoint averaging."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+SACREBLEU = Path(sys.executable).parent / "sacrebleu"
+pytestmark = pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+
+
+def _lines(name, n):
+    return (MULTI30K / name).read_text(encoding="utf-8").split("\n")[:n]
+
+
+def _write(path, lines):
+    path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    return path
+
+
+def _perturb(sentences):
+    """Deterministic imperfect 'translations': drop / swap / replace some words."""
+    out = []
+    for i, s in enumerate(sentences):
+        w = s.split()
+        if i % 3 == 0 and len(w) > 3:
+            del w[len(w) // 2]
+        if i % 4 == 1 and len(w) > 2:
+            w[0], w[1] = w[1], w[0]
+        if i % 5 == 2:
+            w = [x if j % 3 else "etwas" for j, x in enumerate(w)]
+        out.append(" ".join(w))
+    return out
+
+
+def test_bleu_equals_sacrebleu_cli(tmp_path, capsys):
+    from training.evaluate import main
+
+    refs = _lines("test_2016_flickr.de", 60)
+    ref = _write(tmp_path / "ref.de", refs)
+    hyp = _write(tmp_path / "hyp.de", _perturb(refs))
+    scores_path = tmp_path / "scores.json"
+    assert main(["--hypotheses", str(hyp), "--references", str(ref), "--output", str(scores_path)]) == 0
+    printed = capsys.readouterr().out
+    ours = json.loads(scores_path.read_text())
+    cli = subprocess.run([str(SACREBLEU), str(ref), "-i", str(hyp), "-m", "bleu", "chrf", "-w", "4"],
+                         capture_output=True, text=True, check=True)
+    cli_bleu, cli_chrf = json.loads(cli.stdout)
+    assert 10 < cli_bleu["score"] < 95  # a non-trivial comparison
+    assert round(ours["bleu"], 4) == cli_bleu["score"]
+    assert round(ours["chrf"], 4) == cli_chrf["score"]
+    assert ours["bleu_signature"] == cli_bleu["signature"]
+    assert ours["chrf_signature"] == cli_chrf["signature"]
+    # The printed line carries the signature, as sacreBLEU prints it.
+    assert f"BLEU|{cli_bleu['signature']} = {cli_bleu['score']:.2f}" in printed
+    assert f"chrF2|{cli_chrf['signature']} = {cli_chrf['score']:.2f}" in printed
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+    """A tiny model trained for 3 short epochs on a slice of Multi30k (in-process)."""
+    from training.train import resolve_config, train
+
+    d = tmp_path_factory.mktemp("eval")
+    src = _write(d / "train.en", _lines("train.en", 400))
+    tgt = _write(d / "train.de", _lines("train.de", 400))
+    cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(d / "run"),
+                          "--vocab-size", "400", "--tokens-per-batch", "500", "--max-length", "40",
+                          "--epochs", "3", "--steps-per-epoch", "8", "--warmup-steps", "20",
+                          "--no-validation", "--verbose", "0"])
+    train(cfg)
+    return d / "run"
+
+
+def test_model_dir_has_everything(trained_dir):
+    cfg = json.loads((trained_dir / "config.json").read_text())
+    assert (cfg["source_lang"], cfg["target_lang"]) == ("en", "de")
+    assert (cfg["pad_id"], cfg["unk_id"], cfg["bos_id"], cfg["eos_id"]) == (0, 1, 2, 3)
+    assert cfg["vocab_size"] == 400 and cfg["model_config"]["vocab_size"] == 400
+    for name in ("model.keras", "tokenizer.model", "history.csv"):
+        assert (trained_dir / name).is_file(), name
+    assert sorted(p.name for p in (trained_dir / "checkpoints").iterdir()) == [
+        "epoch-001.weights.h5", "epoch-002.weights.h5", "epoch-003.weights.h5"]
+    assert any((trained_dir / "logs" / "train").iterdir())  # TensorBoard events
+
+
+def test_evaluate_decodes_like_direct_decoding(trained_dir, tmp_path, capsys):
+    import sentencepiece as spm
+    import tensorflow as tf
+
+    import keras_transformer as kt
+    from training.evaluate import load_trained, main
+
+    sources = _lines("test_2016_flickr.en", 12)
+    refs = _lines("test_2016_flickr.de", 12)
+    src, ref = _write(tmp_path / "src.en", sources), _write(tmp_path / "ref.de", refs)
+    out = tmp_path / "hyp.de"
+    assert main(["--model-dir", str(trained_dir), "--source-file", str(src), "--references", str(ref),
+                 "--beam-size", "1", "--batch-size", "5", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in printed and "chrF2|" in printed
+    hyps = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(hyps) == 12
+    scores = json.loads(Path(str(out) + ".scores.json").read_text())
+    assert scores["sentences"] == 12 and scores["beam_size"] == 1
+
+    # Reference: each sentence decoded alone (no batching or padding), tokenized
+    # and detokenized with the sentencepiece package.
+    model, _, cfg = load_trained(trained_dir)
+    sp = spm.SentencePieceProcessor(model_file=str(trained_dir / "tokenizer.model"))
+    decode = tf.function(lambda ids: kt.greedy_decode(model, ids, start_id=2, end_id=3,
+                                                      max_length=tf.shape(ids)[1] + 50),
+                         input_signature=[tf.TensorSpec([1, None], tf.int32)])
+    for s, h in zip(sources, hyps):
+        tokens, _ = decode(tf.constant([sp.encode(s) + [3]], tf.int32))
+        toks = tokens[0].numpy().tolist()
+        toks = toks[: toks.index(3)] if 3 in toks else [t for t in toks if t != 0]
+        assert h == sp.decode(toks)
+
+    # Beam search runs through the same path.
+    assert main(["--model-dir", str(trained_dir), "--source-file", str(src), "--references", str(ref),
+                 "--beam-size", "3", "--max-examples", "4", "--output", str(tmp_path / "beam.de")]) == 0
+    assert len((tmp_path / "beam.de").read_text(encoding="utf-8").split("\n")[:-1]) == 4
+
+
+def test_average_checkpoints(trained_dir):
+    import keras
+
+    import keras_transformer  # noqa: F401
+    from training.average_checkpoints import main
+
+    out = trained_dir / "avg2.keras"
+    assert main(["--model-dir", str(trained_dir), "--last", "2", "--output", str(out)]) == 0
+    model = keras.models.load_model(trained_dir / "model.keras", compile=False)
+    model.load_weights(trained_dir / "checkpoints" / "epoch-002.weights.h5")
+    w2 = model.get_weights()
+    model.load_weights(trained_dir / "checkpoints" / "epoch-003.weights.h5")
+    w3 = model.get_weights()
+    avg = keras.models.load_model(out, compile=False).get_weights()
+    assert max(float(np.abs(a - b).max()) for a, b in zip(w2, w3)) > 1e-4  # checkpoints differ
+    for a, b, m in zip(w2, w3, avg):
+        np.testing.assert_allclose(m, (a.astype(np.float64) + b) / 2, rtol=1e-6, atol=1e-7)
