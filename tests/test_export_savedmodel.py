@@ -1,0 +1,239 @@
+"""The exported SavedModel, tested the way TF Serving uses it.
+
+One small translator is trained (export.quick_model: "tiny" preset, a few
+hundred steps on 2,000 Multi30k pairs, so its outputs end with the end id) and
+exported once per session. TF Serving loads SavedModels with the TF1/C++
+session loader, so the main checks run `tf.compat.v1.saved_model.loader.load`
+in a fresh process that imports only tensorflow and tensorflow_text.
+"""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+from export import graph_ops
+from export.export_model import export, next_version
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("KT_MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
+MAX_LENGTH = 64  # config.json max_length of the quick model
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
+
+pytestmark = pytest.mark.skipif(not (DATA / "train.en").is_file(), reason=f"Multi30k not found in {DATA}")
+
+
+def _lines(name, n):
+    with open(DATA / name, encoding="utf-8") as f:
+        return [next(f).rstrip("\n") for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from export.quick_model import build_quick_model_dir
+
+    return build_quick_model_dir(tmp_path_factory.mktemp("quick-en-de"), DATA, lines=2000, vocab_size=400,
+                                 steps=200, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="session")
+def exported(model_dir, tmp_path_factory):
+    """EXPORT_DIR/translator/1: beam 4, cached decoding (what kt-export writes by default)."""
+    return export(model_dir, tmp_path_factory.mktemp("exports"), check_ops=False)
+
+
+def _b64(items):
+    return [base64.b64encode(x if isinstance(x, bytes) else x.encode("utf-8")).decode("ascii") for x in items]
+
+
+def _unb64(items):
+    return [base64.b64decode(x) for x in items]
+
+
+# Runs in a fresh interpreter: only tensorflow and tensorflow_text, like the model server
+# (which links TensorFlow's and tensorflow-text's kernels and nothing of Python).
+TF1_SCRIPT = r"""
+import base64, json, sys
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the sentencepiece ops, as TF Serving links them)
+
+path, requests_file = sys.argv[1], sys.argv[2]
+requests = json.load(open(requests_file))
+# (tensorflow imports keras itself for tf.keras; none of the project's Python is imported)
+loaded_python_modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "training", "export", "tf_keras"})
+results = {"loaded_python_modules": loaded_python_modules, "runs": []}
+with tf.compat.v1.Session(graph=tf.Graph()) as sess:
+    meta_graph = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
+    results["signatures"] = sorted(meta_graph.signature_def)
+    for signature_name, texts in requests:
+        sig = meta_graph.signature_def[signature_name]
+        fetches = {k: v.name for k, v in sig.outputs.items()}
+        feed = {sig.inputs["text"].name: [base64.b64decode(t) for t in texts]}
+        out = sess.run(fetches, feed)
+        run = {}
+        for k, v in out.items():
+            if v.dtype == object:
+                run[k] = [base64.b64encode(x).decode("ascii") for x in v.tolist()]
+            else:
+                run[k] = v.tolist()
+            run[k + "_shape"] = list(v.shape)
+        results["runs"].append(run)
+json.dump(results, sys.stdout)
+"""
+
+
+def run_tf1(saved_model, requests, tmp_path):
+    """[(signature, [texts])] -> the outputs of each run, through the TF1 session loader in a fresh process."""
+    req = tmp_path / "requests.json"
+    req.write_text(json.dumps([(sig, _b64(texts)) for sig, texts in requests]))
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", TF1_SCRIPT, str(saved_model), str(req)], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def library_translations(model_dir, texts, beam_size=4):
+    """Reference: the Keras model + kt.beam_search/greedy_decode in process, detokenized with the
+    sentencepiece Python package (no export code involved)."""
+    import sentencepiece as spm
+
+    from training.evaluate import load_trained
+    from training.pipeline import encode_source
+
+    model, tokenizer, cfg = load_trained(model_dir)
+
+    @tf.function
+    def decode(texts):
+        source = encode_source(tokenizer, texts, cfg["max_length"]).to_tensor(0)
+        if beam_size == 1:
+            return kt.greedy_decode(model, source, cfg["start_id"], cfg["end_id"])
+        return kt.beam_search(model, source, cfg["start_id"], cfg["end_id"], beam_size=beam_size)
+
+    tokens, scores = decode(tf.constant(texts))
+    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
+    out = []
+    for row in tokens.numpy().tolist():
+        ids = row[: row.index(cfg["end_id"])] if cfg["end_id"] in row else row
+        out.append(sp.decode([i for i in ids if i != 0]).encode("utf-8"))
+    return out, scores.numpy()
+
+
+def test_export_layout(exported, model_dir):
+    assert exported.name == "1" and exported.parent.name == "translator"
+    assert (exported / "saved_model.pb").is_file() and (exported / "variables" / "variables.index").is_file()
+    # The tokenizer model ships as an asset, byte for byte.
+    assert (exported / "assets" / "tokenizer.model").read_bytes() == (Path(model_dir) / "tokenizer.model").read_bytes()
+    # Nothing but integer versions (no leftover temporary directory) under the model's base path.
+    assert [p.name for p in exported.parent.iterdir()] == ["1"]
+
+
+def test_next_version(tmp_path):
+    assert next_version(tmp_path / "missing") == 1
+    for name in ("1", "7", "12", ".tmp-13-x", "latest"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "99").write_text("a file, not a version")
+    assert next_version(tmp_path) == 13
+
+
+def test_tf1_session_loader_serves_text_like_the_library(exported, model_dir, tmp_path):
+    """Must-show 1 and 4, and batch invariance (3) through the TF1 loader TF Serving uses."""
+    sentences = _lines("val.en", 512)
+    few = sentences[:6]
+    long_text = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
+    bad = ["", "   ", "\t \n ", long_text, b"\xff\xfe\xfd", b"caf\xc3", b"ok \x80 bytes", "a\x00b"]
+    replaced = ["\ufffd\ufffd\ufffd", "caf\ufffd", "ok \ufffd bytes"]  # what invalid UTF-8 is replaced with
+    # Sentences translated alone, then inside a batch of longer and shorter sentences.
+    lengths = [len(s.split()) for s in sentences]
+    alone = [sentences[int(np.argmin(lengths))], sentences[int(np.argmax(lengths))], sentences[10]]
+    requests = [("serving_default", few), ("greedy", few), ("serving_default", bad),
+                ("serving_default", replaced), ("tokenize", [long_text, "", b"\xff"]),
+                ("serving_default", []), ("serving_default", sentences)]
+    requests += [("serving_default", [s]) for s in alone]
+    result = run_tf1(exported, requests, tmp_path)
+    assert result["loaded_python_modules"] == []  # only tensorflow and tensorflow_text were imported
+    assert {"serving_default", "greedy", "translate_ids", "tokenize"} <= set(result["signatures"])
+    beam, greedy, bad_out, replaced_out, tokenized, empty, batch_512 = result["runs"][:7]
+    singles = result["runs"][7:]
+
+    # 1. Same translations as the in-process library (beam 4 and greedy), scores to float precision.
+    ref_beam, ref_beam_scores = library_translations(model_dir, few, beam_size=4)
+    ref_greedy, ref_greedy_scores = library_translations(model_dir, few, beam_size=1)
+    assert _unb64(beam["translation"]) == ref_beam
+    np.testing.assert_allclose(beam["score"], ref_beam_scores, rtol=1e-4, atol=1e-4)
+    assert _unb64(greedy["translation"]) == ref_greedy
+    np.testing.assert_allclose(greedy["score"], ref_greedy_scores, rtol=1e-4, atol=1e-4)
+    assert all(t for t in ref_beam)  # the model translates into something: the comparison is not vacuous
+    # Beam search never scores below greedy decoding (3).
+    assert all(b >= g - 1e-5 for b, g in zip(beam["score"], greedy["score"]))
+
+    # 4. Bad input: one string and one finite score per input, dense [batch].
+    assert bad_out["translation_shape"] == [len(bad)] and bad_out["score_shape"] == [len(bad)]
+    assert all(isinstance(t, bytes) for t in _unb64(bad_out["translation"]))
+    assert np.isfinite(bad_out["score"]).all()
+    # Invalid UTF-8 is translated as its U+FFFD replacement.
+    assert _unb64(bad_out["translation"])[4:7] == _unb64(replaced_out["translation"])
+    # The 10,000-character input is truncated to max_length source tokens (end id last); empty input is [end].
+    ids = np.array(tokenized["source_ids"])
+    assert tokenized["source_ids_shape"] == [3, MAX_LENGTH]
+    assert ids[0, -1] == 3 and (ids[0] != 0).all()
+    assert ids[1].tolist() == [3] + [0] * (MAX_LENGTH - 1)
+    # A batch of 0 and a batch of 512.
+    assert empty["translation_shape"] == [0] and empty["score_shape"] == [0]
+    assert batch_512["translation_shape"] == [512] and batch_512["score_shape"] == [512]
+
+    # 3. A sentence alone and inside the batch of 512 (shorter and longer ones) gets the same translation.
+    translations_512 = _unb64(batch_512["translation"])
+    for text, single in zip(alone, singles):
+        i = sentences.index(text)
+        assert _unb64(single["translation"]) == [translations_512[i]]
+        np.testing.assert_allclose(single["score"], [batch_512["score"][i]], rtol=1e-4, atol=1e-4)
+    assert translations_512[:6] == _unb64(beam["translation"])
+
+
+def test_every_op_is_core_tensorflow_or_tensorflow_text(exported):
+    """Must-show 2: every op of the graph and of its function library is servable."""
+    ops = graph_ops.saved_model_ops(exported)
+    registered = graph_ops.registered_ops()  # from a process that imported only tensorflow, then tensorflow_text
+    assert "MatMul" in registered["core"] and "SentencepieceOp" not in registered["core"]
+    assert "SentencepieceOp" in registered["tensorflow_text"]
+    assert graph_ops.unservable_ops(ops, registered) == []
+    # The tokenizer and the decoding loop are in the graph (so the check covered them) ...
+    assert {"SentencepieceOp", "SentencepieceTokenizeOp", "SentencepieceDetokenizeOp", "While"} <= set(ops)
+    # ... the key/value cache writes with a core op, not Keras' XlaDynamicUpdateSlice ...
+    assert "TensorStridedSliceUpdate" in ops and not any(graph_ops.needs_xla(op) for op in ops)
+    # ... and the check does reject what the model server lacks.
+    assert graph_ops.unservable_ops({"MatMul": 1, "XlaDynamicUpdateSlice": 1, "EagerPyFunc": 1, "NotAnOp": 1},
+                                    registered) == ["EagerPyFunc", "NotAnOp", "XlaDynamicUpdateSlice"]
+
+
+def test_cached_uncached_and_beam_one_through_the_export(model_dir, exported, tmp_path):
+    """Must-show 3 through exported SavedModels: cached == uncached tokens; beam 1 == greedy;
+    beam 4 never scores below greedy."""
+    uncached = export(model_dir, tmp_path, use_cache=False, check_ops=False)
+    beam_one = export(model_dir, tmp_path, beam_size=1, check_ops=False)
+    assert (uncached.name, beam_one.name) == ("1", "2")  # next version each time
+    main, slow, one = (tf.saved_model.load(str(p)) for p in (exported, uncached, beam_one))
+    texts = tf.constant(_lines("val.en", 24)[12:] + ["", "Two"])
+    source = main.signatures["tokenize"](text=texts)["source_ids"]
+
+    cached_ids, uncached_ids = (m.signatures["translate_ids"](source_ids=source) for m in (main, slow))
+    np.testing.assert_array_equal(cached_ids["tokens"].numpy(), uncached_ids["tokens"].numpy())
+    np.testing.assert_allclose(cached_ids["score"].numpy(), uncached_ids["score"].numpy(), rtol=1e-4, atol=1e-4)
+    cached_greedy, uncached_greedy = (m.signatures["greedy"](text=texts) for m in (main, slow))
+    assert cached_greedy["translation"].numpy().tolist() == uncached_greedy["translation"].numpy().tolist()
+
+    beam4 = main.signatures["serving_default"](text=texts)
+    beam1 = one.signatures["serving_default"](text=texts)
+    assert beam1["translation"].numpy().tolist() == cached_greedy["translation"].numpy().tolist()
+    np.testing.assert_allclose(beam1["score"].numpy(), cached_greedy["score"].numpy(), rtol=1e-5, atol=1e-5)
+    assert (beam4["score"].numpy() >= cached_greedy["score"].numpy() - 1e-5).all()
+    tokens = cached_ids["tokens"].numpy()
+    assert ((tokens == 3).sum(axis=1) == 1).all()  # every output ended, so the limits did not decide
