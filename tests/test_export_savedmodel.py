@@ -237,3 +237,29 @@ def test_cached_uncached_and_beam_one_through_the_export(model_dir, exported, tm
     assert (beam4["score"].numpy() >= cached_greedy["score"].numpy() - 1e-5).all()
     tokens = cached_ids["tokens"].numpy()
     assert ((tokens == 3).sum(axis=1) == 1).all()  # every output ended, so the limits did not decide
+
+
+def test_kt_translate_cli(exported, tmp_path):
+    """kt-translate over a file (a base directory resolves to its latest version): input order kept,
+    blank lines stay blank, invalid UTF-8 translated, same translations as the signature itself."""
+    sentences = _lines("val.en", 40)[20:]
+    lines = [s.encode("utf-8") for s in sentences[:3]] + [b"", b"\xff broken"] + [s.encode() for s in sentences[3:]]
+    source = tmp_path / "in.en"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out.de"
+    proc = subprocess.run([sys.executable, "-m", "export.translate", "--saved-model", str(exported.parent),
+                           "--input", str(source), "--output", str(out), "--batch-size", "8", "--greedy",
+                           "--scores"], capture_output=True, text=True, env=ENV, cwd=str(REPO), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sent" in proc.stderr  # the progress bar: more lines than one batch
+    rows = out.read_text(encoding="utf-8").split("\n")
+    assert rows[-1] == "" and len(rows) == len(lines) + 1
+    rows = [row.split("\t", 1) for row in rows[:-1]]
+    assert rows[3] == ["", ""]  # the blank line
+    loaded = tf.saved_model.load(str(exported))
+    nonblank = [line for line in lines if line]
+    expected = loaded.signatures["greedy"](text=tf.constant(nonblank))
+    expected_text = [t.decode("utf-8") for t in expected["translation"].numpy().tolist()]
+    got = [row for row in rows if row != ["", ""]]
+    assert [t for _, t in got] == expected_text
+    np.testing.assert_allclose([float(s) for s, _ in got], expected["score"].numpy(), atol=1e-3)

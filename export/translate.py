@@ -1,0 +1,139 @@
+"""Translate text, one sentence per line, through an exported SavedModel
+(or a TF Serving server that serves it).
+
+    python -m export.translate --saved-model exports/translator < input.en > output.de
+    kt-translate --saved-model exports/translator/1 --input test.en --output test.de --greedy
+    kt-translate --server http://localhost:8501 --model-name translator --input test.en
+
+--saved-model takes a version directory (EXPORT_DIR/NAME/VERSION) or the
+model's base directory (EXPORT_DIR/NAME: its highest version is used).
+Lines are translated in batches of similar length and written in input order;
+blank lines stay blank. A progress bar goes to stderr for inputs of more than
+one batch (--no-progress to hide it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def resolve_saved_model(path) -> Path:
+    """A version directory: `path` itself if it holds saved_model.pb, else its highest integer subdirectory."""
+    path = Path(path)
+    if (path / "saved_model.pb").is_file():
+        return path
+    versions = sorted((int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "saved_model.pb").is_file())
+                      if path.is_dir() else [])
+    if not versions:
+        raise FileNotFoundError(f"No SavedModel in {path} (expected saved_model.pb or NAME/VERSION/saved_model.pb)")
+    return path / str(versions[-1])
+
+
+class SavedModelTranslator:
+    """Calls a signature of an exported SavedModel in process: list of str/bytes -> (translations, scores)."""
+
+    def __init__(self, saved_model, signature="serving_default"):
+        import tensorflow as tf
+        import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
+
+        self.path = resolve_saved_model(saved_model)
+        self._loaded = tf.saved_model.load(str(self.path))
+        if signature not in self._loaded.signatures:
+            raise ValueError(f"{self.path} has no signature {signature!r}; it has {sorted(self._loaded.signatures)}")
+        self._fn = self._loaded.signatures[signature]
+        self._tf = tf
+
+    def __call__(self, texts):
+        out = self._fn(text=self._tf.constant(list(texts), dtype=self._tf.string))
+        return ([t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()],
+                out["score"].numpy().tolist())
+
+
+def translate_lines(translate, lines, batch_size=32, progress=None):
+    """Translates `lines` (str or bytes) with `translate(batch) -> (translations, scores)` in batches of
+    similar length. Blank lines give ("", None). Returns (translations, scores) in input order."""
+    out, scores = [""] * len(lines), [None] * len(lines)
+    todo = sorted((i for i, line in enumerate(lines) if line.strip()), key=lambda i: len(lines[i]))
+    for start in range(0, len(todo), batch_size):
+        idx = todo[start:start + batch_size]
+        translations, batch_scores = translate([lines[i] for i in idx])
+        if len(translations) != len(idx):
+            raise RuntimeError(f"Asked for {len(idx)} translations, got {len(translations)}")
+        for i, text, score in zip(idx, translations, batch_scores):
+            out[i], scores[i] = text.replace("\r", " ").replace("\n", " "), score  # one line per line
+        if progress is not None:
+            progress.update(len(idx))
+    return out, scores
+
+
+def _read_lines(stream) -> list[bytes]:
+    data = stream.read()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="kt-translate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--saved-model", help="EXPORT_DIR/NAME/VERSION, or EXPORT_DIR/NAME for its latest version")
+    src.add_argument("--server", help="TF Serving REST address, e.g. http://localhost:8501")
+    p.add_argument("--model-name", default="translator", help="with --server: the served model's name")
+    p.add_argument("--input", help="text file, one sentence per line (default: stdin)")
+    p.add_argument("--output", help="where to write the translations (default: stdout)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the 'greedy' signature) instead of beam")
+    p.add_argument("--signature", help="signature to call (default serving_default, or greedy with --greedy)")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per request (default 32)")
+    p.add_argument("--scores", action="store_true", help="write 'score<TAB>translation' lines")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
+    signature = args.signature or ("greedy" if args.greedy else "serving_default")
+    if args.input:
+        with open(args.input, "rb") as f:
+            lines = _read_lines(f)
+    else:
+        lines = _read_lines(sys.stdin.buffer)
+    try:
+        if args.server:
+            from export.client import RestClient
+
+            translate = RestClient(args.server, args.model_name, signature=signature).translate_with_scores
+        else:
+            translate = SavedModelTranslator(args.saved_model, signature)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kt-translate: error: {e}", file=sys.stderr)
+        return 2
+    progress = None
+    if not args.no_progress and len(lines) > args.batch_size:
+        from tqdm import tqdm
+
+        progress = tqdm(total=sum(1 for line in lines if line.strip()), unit="sent", file=sys.stderr)
+    try:
+        translations, scores = translate_lines(translate, lines, args.batch_size, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if args.scores:
+        text = "".join(("" if s is None else f"{s:.4f}") + "\t" + t + "\n" for t, s in zip(translations, scores))
+    else:
+        text = "".join(t + "\n" for t in translations)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
