@@ -11,3 +11,7 @@ class DataNotFoundError(DataError, FileNotFoundError):
 
 class LineCountMismatchError(DataError):
     """The two sides of a parallel corpus have different numbers of lines."""
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot work (the message says why)."""

@@ -53,7 +53,9 @@ def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_r
     rounded down to a multiple of num_replicas (each replica gets the same count)."""
     longest = [b - 1 for b in boundaries] + [max_length]
     if tokens_per_batch < max_length * num_replicas:
-        raise ValueError(
+        from training.errors import ConfigError
+
+        raise ConfigError(
             f"tokens_per_batch={tokens_per_batch} is smaller than max_length*replicas="
             f"{max_length}*{num_replicas}; raise --tokens-per-batch or lower --max-length.")
     return [max(num_replicas, (tokens_per_batch // n) // num_replicas * num_replicas) for n in longest]
@@ -62,12 +64,15 @@ def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_r
 def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
                  tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH, num_replicas: int = 1,
                  shuffle: bool = True, shuffle_buffer: int = 20_000, seed: int | None = 1234,
-                 repeat: bool = False, drop_remainder: bool = False, for_fit: bool = True):
+                 repeat: bool = False, drop_remainder: bool = False, for_fit: bool = True,
+                 pad_to_bucket_boundary: bool = False):
     """Turns a dataset of `(source_text, target_text)` into padded, length-bucketed batches.
 
     Pairs whose source or target_in would be longer than `max_length` are dropped.
     The budget holds for padded tokens on each side: batch * padded_len <= tokens_per_batch.
     With `for_fit`, yields `((source, target_in), target_out)`; else `(source, target_in, target_out)`.
+    `pad_to_bucket_boundary` pads every batch to its bucket's longest length, so
+    only a few distinct shapes occur (for XLA, which compiles once per shape).
     """
     ds = pairs
     if shuffle:
@@ -76,6 +81,11 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
     ds = ds.filter(lambda s, ti, to: tf.logical_and(tf.shape(s)[0] <= max_length, tf.shape(ti)[0] <= max_length))
     bounds = bucket_boundaries(max_length)
     sizes = bucket_batch_sizes(bounds, max_length, tokens_per_batch, num_replicas)
+    if pad_to_bucket_boundary:
+        # Padding to boundary - 1 needs every length below the last boundary.
+        if bounds[-1] <= max_length:
+            bounds = bounds + [max_length + 1]
+            sizes = sizes + [sizes[-1]]
     ds = ds.bucket_by_sequence_length(
         element_length_func=lambda s, ti, to: tf.maximum(tf.shape(s)[0], tf.shape(ti)[0]),
         bucket_boundaries=bounds,
@@ -83,6 +93,7 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
         padded_shapes=([None], [None], [None]),
         padding_values=(PAD_ID, PAD_ID, PAD_ID),
         drop_remainder=drop_remainder,
+        pad_to_bucket_boundary=pad_to_bucket_boundary,
     )
     if num_replicas > 1 and not drop_remainder:
         # A bucket's leftover batch may not split evenly over the replicas: trim it

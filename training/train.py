@@ -350,7 +350,7 @@ def train(cfg: dict, strategy=None) -> dict:
     from training.distribute import make_strategy, worker_info
 
     if strategy is None:
-        strategy = make_strategy(cfg["cpu_replicas"])
+        strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
     import keras
     import tensorflow as tf
     import tensorflow_datasets as tfds
@@ -376,7 +376,7 @@ def train(cfg: dict, strategy=None) -> dict:
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
     batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=cfg["tokens_per_batch"],
-                      num_replicas=replicas)
+                      num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
     steps = cfg["steps_per_epoch"]
     train_ds = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
                             seed=cfg["seed"], repeat=bool(steps), **batch_args)
@@ -393,7 +393,7 @@ def train(cfg: dict, strategy=None) -> dict:
     if is_chief:
         write_config(cfg, model_dir, vocab_size, model, policy)
     strategy_name = ("MultiWorkerMirroredStrategy" if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-                     else type(strategy).__name__)
+                     else type(strategy).__name__.lstrip("_"))
     print(f"[kt-train] {replicas} replica(s) ({strategy_name}, worker {task_index + 1}/{num_workers}), "
           f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
@@ -429,12 +429,12 @@ def train(cfg: dict, strategy=None) -> dict:
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from training.errors import DataError
+    from training.errors import ConfigError, DataError
 
     cfg = resolve_config(argv)
     try:
         train(cfg)
-    except DataError as e:
+    except (DataError, ConfigError) as e:
         print(f"kt-train: error: {e}", file=sys.stderr)
         return 2
     return 0
