@@ -1,0 +1,141 @@
+"""Training throughput (target tokens per second) of `model.fit` on this machine.
+
+    .venv/bin/python bench/train_throughput.py                 # small + base, fp32 + mixed_bfloat16, 1 + 2 replicas
+    .venv/bin/python bench/train_throughput.py --presets small --steps 10
+
+Each configuration runs in its own subprocess (logical CPU devices and the
+dtype policy must be set before TensorFlow initializes). The model is built and
+compiled exactly as `training.train` does (MirroredStrategy, paper Adam, label
+smoothing 0.1) and trained with `model.fit` on synthetic batches of a fixed
+shape: `--tokens-per-batch` tokens per side, sentences of `--length` tokens, no
+padding, vocabulary 8000. After `--warmup` steps, each step is timed (the loss
+is read back every step, so steps do not overlap) and the median is reported.
+Two replicas = two logical CPU devices sharing the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(args) -> dict:
+    sys.path.insert(0, str(REPO))
+    from training.distribute import split_cpu
+
+    if args.replicas > 1:
+        split_cpu(args.replicas)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from training.train import DEFAULTS, build_and_compile
+
+    policy = "mixed_bfloat16" if args.precision == "bf16" else "float32"
+    keras.mixed_precision.set_global_policy(policy)
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][: args.replicas]
+    strategy = tf.distribute.MirroredStrategy(cpus)
+    cfg = dict(DEFAULTS, preset=args.preset, model={})
+    with strategy.scope():
+        model = build_and_compile(cfg, args.vocab_size)
+    batch = args.tokens_per_batch // args.length
+    batch -= batch % args.replicas
+    rng = np.random.default_rng(0)
+    src = rng.integers(4, args.vocab_size, size=(batch, args.length), dtype=np.int32)
+    tgt = rng.integers(4, args.vocab_size, size=(batch, args.length + 1), dtype=np.int32)
+    ds = tf.data.Dataset.from_tensors(((src, tgt[:, :-1]), tgt[:, 1:])).repeat()
+
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, step, logs=None):
+            float(logs["loss"])  # wait for the step to finish
+            times.append(time.perf_counter() - self.t0)
+
+    model.fit(ds, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[Timer()])
+    timed = times[args.warmup:]
+    median = statistics.median(timed)
+    target_tokens = batch * args.length
+    return {
+        "preset": args.preset, "precision": policy, "replicas": args.replicas,
+        "batch": f"{batch}x{args.length}", "target_tokens_per_step": target_tokens,
+        "median_step_s": round(median, 4), "target_tokens_per_s": round(target_tokens / median, 1),
+        "steps_timed": len(timed), "params": model.count_params(),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["small", "base"])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--replica-counts", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--length", type=int, default=32, help="tokens per sentence (source and target)")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 small, 2 base/big)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 small, 4 base/big)")
+    p.add_argument("--json", help="also write the results here")
+    # internal: one configuration
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--preset", help=argparse.SUPPRESS)
+    p.add_argument("--precision", help=argparse.SUPPRESS)
+    p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    results = []
+    t_start = time.time()
+    for preset in args.presets:
+        heavy = preset in ("base", "big")
+        warmup = args.warmup if args.warmup is not None else (2 if heavy else 3)
+        steps = args.steps if args.steps is not None else (4 if heavy else 10)
+        for precision in args.precisions:
+            for replicas in args.replica_counts:
+                cmd = [sys.executable, __file__, "--worker", "--preset", preset, "--precision", precision,
+                       "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
+                       "--tokens-per-batch", str(args.tokens_per_batch), "--length", str(args.length),
+                       "--vocab-size", str(args.vocab_size)]
+                t0 = time.time()
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    print(f"{preset} {precision} x{replicas}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                r = json.loads(lines[-1][len("RESULT "):])
+                r["wall_s"] = round(time.time() - t0, 1)
+                results.append(r)
+                print(f"{preset:5s} {r['precision']:14s} replicas={replicas}  {r['target_tokens_per_s']:9.1f} "
+                      f"target tok/s  (median step {r['median_step_s']:.3f}s, batch {r['batch']}, "
+                      f"{r['wall_s']}s wall)", flush=True)
+
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
+          f"total {time.time() - t_start:.0f}s\n")
+    print("| preset | precision | replicas | batch (sentences x tokens) | median step (s) | target tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['preset']} | {r['precision']} | {r['replicas']} | {r['batch']} | {r['median_step_s']:.3f} "
+              f"| {r['target_tokens_per_s']:,.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
