@@ -148,9 +148,11 @@ class GrpcClient:
         texts = list(texts)
         if not texts:
             return [], []
+        from tensorflow import make_ndarray  # float outputs may come as float_val or packed tensor_content
+
         response = self.predict(texts, signature)
-        translations = [t.decode("utf-8", errors="replace") for t in response.outputs["translation"].string_val]
-        scores = list(response.outputs["score"].float_val)
+        translations = [t.decode("utf-8", errors="replace") for t in make_ndarray(response.outputs["translation"])]
+        scores = make_ndarray(response.outputs["score"]).tolist()
         if len(translations) != len(texts):
             raise ServingError(f"Sent {len(texts)} texts, got {len(translations)} translations")
         return translations, scores

@@ -263,3 +263,152 @@ def test_kt_translate_cli(exported, tmp_path):
     got = [row for row in rows if row != ["", ""]]
     assert [t for _, t in got] == expected_text
     np.testing.assert_allclose([float(s) for s, _ in got], expected["score"].numpy(), atol=1e-3)
+
+
+@pytest.fixture
+def stand_in_server(exported):
+    """The export behind TF Serving's REST and gRPC APIs, in process (the real model server cannot be
+    installed here; tests/test_export_serving.py uses it where it is). It exercises the clients'
+    requests: row-format JSON with b64 binary strings, and the tensorflow_serving protos."""
+    import http.server
+    import threading
+
+    from google.protobuf import json_format
+    from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+
+    loaded = tf.saved_model.load(str(exported))
+    sm = saved_model_pb2.SavedModel()
+    sm.ParseFromString((exported / "saved_model.pb").read_bytes())
+    signature_defs = sm.meta_graphs[0].signature_def
+    calls = []
+
+    def run(signature, texts):
+        calls.append((signature, list(texts)))
+        out = loaded.signatures[signature](text=tf.constant(texts, dtype=tf.string))
+        return out["translation"].numpy().tolist(), out["score"].numpy().tolist()
+
+    class Rest(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, code, body):
+            data = json.dumps(body).encode("utf-8")
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/v1/models/translator":
+                self._send(200, {"model_version_status": [{"version": exported.name, "state": "AVAILABLE"}]})
+            elif self.path == "/v1/models/translator/metadata":
+                sig_map = {k: json_format.MessageToDict(v, preserving_proto_field_name=True)
+                           for k, v in signature_defs.items()}
+                self._send(200, {"model_spec": {"name": "translator", "version": exported.name},
+                                 "metadata": {"signature_def": {"signature_def": sig_map}}})
+            else:
+                self._send(404, {"error": "Servable not found"})
+
+        def do_POST(self):
+            if self.path != "/v1/models/translator:predict":
+                return self._send(404, {"error": "Servable not found"})
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            texts = [base64.b64decode(t["b64"]) if isinstance(t, dict) else t.encode("utf-8")
+                     for t in body["instances"]]
+            translations, scores = run(body.get("signature_name", "serving_default"), texts)
+            self._send(200, {"predictions": [{"translation": t.decode("utf-8"), "score": s}
+                                             for t, s in zip(translations, scores)]})
+
+    rest = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rest)
+    threading.Thread(target=rest.serve_forever, daemon=True).start()
+
+    grpc_target = None
+    try:
+        from concurrent import futures
+
+        import grpc
+        from tensorflow_serving.apis import get_model_metadata_pb2, predict_pb2, prediction_service_pb2_grpc
+    except ImportError:
+        grpc = None
+    if grpc is not None:
+        class Prediction(prediction_service_pb2_grpc.PredictionServiceServicer):
+            def Predict(self, request, context):
+                assert request.model_spec.name == "translator"
+                texts = list(tf.make_ndarray(request.inputs["text"]).tolist())
+                translations, scores = run(request.model_spec.signature_name or "serving_default", texts)
+                response = predict_pb2.PredictResponse()
+                response.outputs["translation"].CopyFrom(tf.make_tensor_proto(translations, dtype=tf.string))
+                response.outputs["score"].CopyFrom(tf.make_tensor_proto(scores, dtype=tf.float32))
+                return response
+
+            def GetModelMetadata(self, request, context):
+                assert list(request.metadata_field) == ["signature_def"]
+                response = get_model_metadata_pb2.GetModelMetadataResponse()
+                response.model_spec.name = request.model_spec.name
+                sig_map = get_model_metadata_pb2.SignatureDefMap()
+                for k, v in signature_defs.items():
+                    sig_map.signature_def[k].CopyFrom(v)
+                response.metadata["signature_def"].Pack(sig_map)
+                return response
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(Prediction(), server)
+        grpc_target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+    try:
+        yield {"rest": f"http://127.0.0.1:{rest.server_address[1]}", "grpc": grpc_target, "run": run,
+               "calls": calls}
+    finally:
+        rest.shutdown()
+        rest.server_close()
+        if grpc is not None:
+            server.stop(0)
+
+
+def test_clients_and_kt_translate_server_mode(stand_in_server, tmp_path):
+    from export import translate as translate_cli
+    from export.client import RestClient, ServingError
+
+    texts = _lines("val.en", 3) + ["", b"\xff\xfe broken"]
+    expected, expected_scores = stand_in_server["run"]("serving_default",
+                                                       [t if isinstance(t, bytes) else t.encode() for t in texts])
+    expected = [t.decode("utf-8") for t in expected]
+
+    rest = RestClient(stand_in_server["rest"], "translator")
+    translations, scores = rest.translate_with_scores(texts)
+    assert translations == expected
+    np.testing.assert_allclose(scores, expected_scores, rtol=1e-6)
+    # The invalid UTF-8 went over JSON as {"b64": ...} and arrived byte for byte.
+    assert stand_in_server["calls"][-1] == ("serving_default", [t if isinstance(t, bytes) else t.encode()
+                                                                for t in texts])
+    assert rest.translate([]) == []
+    assert rest.translate(texts[:1], signature="greedy") == [
+        t.decode() for t in stand_in_server["run"]("greedy", [texts[0].encode()])[0]]
+    signature = rest.metadata()["metadata"]["signature_def"]["signature_def"]["serving_default"]
+    assert set(signature["inputs"]) == {"text"} and set(signature["outputs"]) == {"translation", "score"}
+    assert rest.status()["model_version_status"][0]["state"] == "AVAILABLE"
+    with pytest.raises(ServingError, match="404"):
+        RestClient(stand_in_server["rest"], "no-such-model").translate(["x"])
+
+    # kt-translate --server: through the REST client, batched, order kept.
+    source = tmp_path / "in.en"
+    source.write_text("\n".join(_lines("val.en", 5)) + "\n", encoding="utf-8")
+    out = tmp_path / "out.de"
+    assert translate_cli.main(["--server", stand_in_server["rest"], "--input", str(source), "--output", str(out),
+                               "--batch-size", "2", "--no-progress"]) == 0
+    expected5 = [t.decode() for t in stand_in_server["run"]("serving_default",
+                                                            [s.encode() for s in _lines("val.en", 5)])[0]]
+    assert out.read_text(encoding="utf-8") == "".join(t + "\n" for t in expected5)
+
+    pytest.importorskip("tensorflow_serving.apis", reason="GrpcClient needs tensorflow-serving-api")
+    from export.client import GrpcClient
+
+    client = GrpcClient(stand_in_server["grpc"], "translator")
+    try:
+        translations, scores = client.translate_with_scores(texts)
+        assert translations == expected
+        np.testing.assert_allclose(scores, expected_scores, rtol=1e-6)
+        assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score"}
+    finally:
+        client.close()
