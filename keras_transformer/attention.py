@@ -100,11 +100,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         else:
             key = _without_keras_mask(value if key is None else key)
             value = _without_keras_mask(value)
-            start = [0, cache_update_index, 0, 0]
-            key_heads = keras.ops.slice_update(cache[:, 0], start, self._key_dense(key))
-            value_heads = keras.ops.slice_update(
-                cache[:, 1], start, self._value_dense(value)
-            )
+            key_heads = _write_at(cache[:, 0], cache_update_index, self._key_dense(key))
+            value_heads = _write_at(cache[:, 1], cache_update_index, self._value_dense(value))
             cache = tf.stack([key_heads, value_heads], axis=1)
             causal = _cached_causal_mask(
                 query_length=tf.shape(query)[1],
@@ -129,6 +126,20 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         if return_attention_scores:
             return output, scores, cache
         return output, cache
+
+
+def _write_at(heads, index, update):
+    """`heads` `[batch, length, num_heads, key_dim]` with `update` written from position `index`.
+
+    A core op (`TensorStridedSliceUpdate`), not `keras.ops.slice_update`, whose
+    TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock TF
+    Serving model server will not run that outside XLA.
+    """
+    begin = tf.stack([0, tf.cast(index, tf.int32), 0, 0])
+    end = begin + tf.shape(update, out_type=tf.int32)
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=heads, begin=begin, end=end, strides=tf.ones_like(begin), value=tf.cast(update, heads.dtype)
+    )
 
 
 def _without_keras_mask(x):
