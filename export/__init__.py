@@ -5,4 +5,7 @@
 - `export.translate`: `kt-translate`, translates text files through a SavedModel.
 - `export.client`: REST and gRPC clients for TF Serving.
 - `export.graph_ops`: lists the ops of a SavedModel and checks that TF Serving has them.
+- `export.quick_model`: a small model trained in a minute, for tests and benchmarks.
+
+See export/README.md.
 """
