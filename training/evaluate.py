@@ -122,7 +122,7 @@ def build_parser():
     p.add_argument("--dataset", help="multi30k | files | TFDS name (default: the one trained on)")
     p.add_argument("--data-dir", help="raw Multi30k directory")
     p.add_argument("--tfds-data-dir")
-    p.add_argument("--split", default="test_2016_flickr")
+    p.add_argument("--split", help="default: test_2016_flickr for Multi30k, test for TFDS datasets")
     p.add_argument("--source-file", help="plain source text to translate (with --references)")
     p.add_argument("--references", help="reference translations, one per line")
     p.add_argument("--hypotheses", help="score this hypothesis file instead of decoding")
@@ -148,7 +148,8 @@ def _source_and_refs(args, cfg):
         raise SystemExit("This model was trained on plain files: pass --source-file and --references")
     spec = DataSpec(dataset=dataset, source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
                     data_dir=args.data_dir or t.get("data_dir"), tfds_data_dir=args.tfds_data_dir or t.get("tfds_data_dir"))
-    pairs = list(load_text_pairs(spec, args.split, max_examples=args.max_examples).as_numpy_iterator())
+    split = args.split or ("test_2016_flickr" if dataset == "multi30k" else "test")
+    pairs = list(load_text_pairs(spec, split, max_examples=args.max_examples).as_numpy_iterator())
     return [s.decode("utf-8") for s, _ in pairs], [r.decode("utf-8") for _, r in pairs]
 
 
@@ -190,7 +191,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     hyps = translate_all(translate, sources, args.batch_size)
     elapsed = time.time() - t0
-    name = Path(args.source_file).name if args.source_file else args.split
+    dataset = args.dataset or cfg.get("training", {}).get("dataset", "multi30k")
+    default_split = "test_2016_flickr" if dataset == "multi30k" else "test"
+    name = Path(args.source_file).name if args.source_file else (args.split or default_split)
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     scores = score(hyps, refs)

@@ -97,6 +97,6 @@ def prepare_multi30k(source_lang: str, target_lang: str, *, data_dir=None, tfds_
     builder = Multi30k(config=pair_name(source_lang, target_lang), data_dir=tfds_data_dir)
     if raw_dir is not None:
         check_multi30k_dir(raw_dir, (source_lang, target_lang))
-    download_config = tfds.download.DownloadConfig(manual_dir=str(raw_dir) if raw_dir else None)
+    download_config = tfds.download.DownloadConfig(manual_dir=str(raw_dir.resolve()) if raw_dir else None)
     builder.download_and_prepare(download_config=download_config)
     return builder

@@ -30,6 +30,19 @@ def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, mode
     import sentencepiece as spm
 
     model = io.BytesIO()
+    try:
+        _train(spm, sentences, model, vocab_size, model_type, input_sentence_size, seed_sentencepiece_size,
+               hard_vocab_limit)
+    except RuntimeError as e:
+        from training.errors import ConfigError
+
+        raise ConfigError(f"Could not train a sentencepiece vocabulary of {vocab_size} pieces "
+                          f"(--vocab-size): {e}") from e
+    return model.getvalue()
+
+
+def _train(spm, sentences, model, vocab_size, model_type, input_sentence_size, seed_sentencepiece_size,
+           hard_vocab_limit):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(s for s in sentences if s),
         model_writer=model,
@@ -47,7 +60,6 @@ def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, mode
         num_threads=2,
         minloglevel=2,
     )
-    return model.getvalue()
 
 
 def save_model_proto(model_proto: bytes, model_dir) -> Path:

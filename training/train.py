@@ -385,7 +385,22 @@ def train(cfg: dict, strategy=None) -> dict:
         val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
         val_ds = make_batches(val_pairs, tokenizer, shuffle=False, **batch_args)
 
+    previous_policy = keras.mixed_precision.global_policy()
     policy = set_precision(cfg)
+    try:
+        return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
+                    train_ds, val_ds, steps, replicas)
+    finally:
+        keras.mixed_precision.set_global_policy(previous_policy)
+
+
+def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
+         train_ds, val_ds, steps, replicas) -> dict:
+    import keras
+    import tensorflow as tf
+
+    from training.tb import tensorboard_callback
+
     with strategy.scope():
         model = build_and_compile(cfg, vocab_size)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
