@@ -85,7 +85,7 @@ def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 
     def translate(texts):
         source = encode_source(tokenizer, texts, max_length).to_tensor(0)
         max_len = tf.shape(source)[1] + max_extra
-        if beam_size > 1:
+        if beam_size > 1 and hasattr(kt, "beam_search"):
             tokens, _ = kt.beam_search(model, source, start_id=start_id, end_id=end_id, beam_size=beam_size,
                                        alpha=alpha, max_length=max_len)
         else:

@@ -352,12 +352,10 @@ def train(cfg: dict, strategy=None) -> dict:
     if strategy is None:
         strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
     import keras
-    import tensorflow as tf
     import tensorflow_datasets as tfds
 
     from training.data import load_text_pairs
     from training.pipeline import make_batches
-    from training.tb import tensorboard_callback
     from training.tokenizer import make_tokenizer, vocab_size_of
 
     tfds.disable_progress_bar()
@@ -434,6 +432,12 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         "seconds": round(elapsed, 1),
         "replicas": replicas,
     }
+    losses = history.history.get("loss") or [0.0]
+    if not all(l == l and abs(l) != float("inf") for l in losses):  # TerminateOnNaN stopped the run
+        summary["nan_loss"] = True
+        print("[kt-train] stopped: the loss became NaN/inf; model.keras not written "
+              "(epoch checkpoints before it are in checkpoints/)", flush=True)
+        return summary
     if is_chief:
         model.save(model_dir / MODEL_FILENAME)
         write_config(cfg, model_dir, vocab_size, model, policy, extra={"last_run": summary})
@@ -448,11 +452,11 @@ def main(argv=None) -> int:
 
     cfg = resolve_config(argv)
     try:
-        train(cfg)
+        summary = train(cfg)
     except (DataError, ConfigError) as e:
         print(f"kt-train: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if summary.get("nan_loss") else 0
 
 
 if __name__ == "__main__":
