@@ -28,10 +28,8 @@ module tracks exactly the variables its concrete functions capture (what
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
-import keras
 import tensorflow as tf
 
 import keras_transformer as kt
@@ -41,35 +39,6 @@ TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
 IDS_SIGNATURE = "translate_ids"
 SIGNATURES = (TEXT_SIGNATURE, GREEDY_SIGNATURE, IDS_SIGNATURE)
-
-
-@contextlib.contextmanager
-def core_slice_update():
-    """Within this context, `keras.ops.slice_update` is built from a core op.
-
-    Keras 3's TensorFlow backend implements `slice_update` with
-    `XlaDynamicUpdateSlice`, an XLA op: TensorFlow runs it outside XLA by
-    compiling it on demand, which the stock `tensorflow_model_server` refuses
-    unless started with `--xla_cpu_compilation_enabled` (experimental). The
-    decoder's key/value cache writes use `slice_update`, so the export traces
-    its functions with `TensorStridedSliceUpdate` instead: same result for an
-    update that fits inside the input (as cache writes always do).
-    """
-    original = keras.ops.slice_update
-
-    def slice_update(inputs, start_indices, updates):
-        inputs = tf.convert_to_tensor(inputs)
-        updates = tf.cast(updates, inputs.dtype)
-        begin = tf.stack([tf.cast(i, tf.int32) for i in start_indices])
-        end = begin + tf.shape(updates, out_type=tf.int32)
-        return tf.raw_ops.TensorStridedSliceUpdate(input=inputs, begin=begin, end=end, strides=tf.ones_like(begin),
-                                                   value=updates)
-
-    keras.ops.slice_update = slice_update
-    try:
-        yield
-    finally:
-        keras.ops.slice_update = original
 
 
 def _supports_use_cache():
@@ -114,16 +83,13 @@ class Translator(tf.Module):
         # the functions capture (see the module docstring). The closures keep it alive.
         decode_kwargs = {"use_cache": False} if not use_cache else {}
 
-        # Traced (and retraced by tf.saved_model.save) with core ops only: see core_slice_update.
         def beam(source_ids):
-            with core_slice_update():
-                return kt.beam_search(model, source_ids, self.start_id, self.end_id, beam_size=self.beam_size,
-                                      alpha=self.alpha, **decode_kwargs)
+            return kt.beam_search(model, source_ids, self.start_id, self.end_id, beam_size=self.beam_size,
+                                  alpha=self.alpha, **decode_kwargs)
 
         def greedy(source_ids):
-            with core_slice_update():
-                return kt.greedy_decode(model, source_ids, self.start_id, self.end_id, alpha=self.alpha,
-                                        **decode_kwargs)
+            return kt.greedy_decode(model, source_ids, self.start_id, self.end_id, alpha=self.alpha,
+                                    **decode_kwargs)
 
         self._beam, self._greedy = beam, greedy
 
