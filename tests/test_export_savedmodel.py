@@ -366,7 +366,7 @@ def stand_in_server(exported):
             server.stop(0)
 
 
-def test_clients_and_kt_translate_server_mode(stand_in_server, tmp_path):
+def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path):
     from export import translate as translate_cli
     from export.client import RestClient, ServingError
 
@@ -401,14 +401,25 @@ def test_clients_and_kt_translate_server_mode(stand_in_server, tmp_path):
                                                             [s.encode() for s in _lines("val.en", 5)])[0]]
     assert out.read_text(encoding="utf-8") == "".join(t + "\n" for t in expected5)
 
-    pytest.importorskip("tensorflow_serving.apis", reason="GrpcClient needs tensorflow-serving-api")
+
+def test_grpc_client(stand_in_server):
+    pytest.importorskip("tensorflow_serving.apis", reason="GrpcClient needs tensorflow-serving-api "
+                        "(pip install tensorflow-serving-api)")
     from export.client import GrpcClient
+
+    texts = _lines("val.en", 3) + ["", b"\xff\xfe broken"]
+    expected, expected_scores = stand_in_server["run"]("serving_default",
+                                                       [t if isinstance(t, bytes) else t.encode() for t in texts])
+    expected = [t.decode("utf-8") for t in expected]
 
     client = GrpcClient(stand_in_server["grpc"], "translator")
     try:
         translations, scores = client.translate_with_scores(texts)
+        assert stand_in_server["calls"][-1] == ("serving_default", [t if isinstance(t, bytes) else t.encode()
+                                                                    for t in texts])
         assert translations == expected
         np.testing.assert_allclose(scores, expected_scores, rtol=1e-6)
+        assert client.translate([]) == []
         assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score"}
     finally:
         client.close()
