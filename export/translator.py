@@ -18,11 +18,12 @@ length after tokenization (`max_length - 1` pieces + the end id), and empty or
 whitespace-only text decodes like an empty sentence (one string comes back
 for every input).
 
-Variables: a `tf.Module` holding a Keras 3 model saves and loads with
-`tf.saved_model.load`, but the TF1/C++ loader that TF Serving uses fails with
-"Could not find variable ..." because the functions capture the `tf.Variable`s
-inside Keras variables, which are not nodes of the object graph. So the
-module tracks exactly the variables its concrete functions capture (what
+Variables: the functions capture the `tf.Variable`s inside Keras 3 variables.
+A `tf.Module` that tracks the Keras model instead can give a SavedModel that
+`tf.saved_model.load` reads but the TF1/C++ loader TF Serving uses rejects
+("Could not find variable ..."), and with this model `tf.saved_model.save`
+tries to trace `Transformer.call` with float inputs and fails. So the module
+tracks exactly the variables its concrete functions capture (what
 `keras.export.ExportArchive` does), and not the Keras model object.
 """
 
