@@ -54,7 +54,8 @@ def _rest_text(value):
 
 
 class RestClient:
-    """TF Serving's REST API: `POST /v1/models/NAME[/versions/V]:predict` with `{"instances": [...]}`."""
+    """TF Serving's REST API: `POST /v1/models/NAME[/versions/V]:predict` with
+    `{"instances": [{"text": ...}, ...]}` (row format)."""
 
     def __init__(self, url="http://localhost:8501", model="translator", *, version=None,
                  signature="serving_default", timeout=60.0):
@@ -84,7 +85,9 @@ class RestClient:
         texts = list(texts)
         if not texts:
             return []
-        body = {"signature_name": signature or self.signature, "instances": [_rest_value(t) for t in texts]}
+        # Named form ({"text": ...} per instance): unambiguous also for {"b64": ...} values.
+        body = {"signature_name": signature or self.signature,
+                "instances": [{TEXT_INPUT: _rest_value(t)} for t in texts]}
         predictions = self._request(self._model_url() + ":predict", body)["predictions"]
         if len(predictions) != len(texts):
             raise ServingError(f"Sent {len(texts)} texts, got {len(predictions)} predictions")

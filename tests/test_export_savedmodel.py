@@ -314,8 +314,8 @@ def stand_in_server(exported):
             if self.path != "/v1/models/translator:predict":
                 return self._send(404, {"error": "Servable not found"})
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            texts = [base64.b64decode(t["b64"]) if isinstance(t, dict) else t.encode("utf-8")
-                     for t in body["instances"]]
+            instances = [t["text"] if isinstance(t, dict) and "b64" not in t else t for t in body["instances"]]
+            texts = [base64.b64decode(t["b64"]) if isinstance(t, dict) else t.encode("utf-8") for t in instances]
             translations, scores = run(body.get("signature_name", "serving_default"), texts)
             self._send(200, {"predictions": [{"translation": t.decode("utf-8"), "score": s}
                                              for t, s in zip(translations, scores)]})

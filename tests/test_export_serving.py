@@ -7,6 +7,7 @@ skipped elsewhere. The server is started on free ports and queried on
 (`Predict`, with the `tensorflow-serving-api` package).
 """
 
+import json
 import os
 import shutil
 import socket
@@ -97,6 +98,12 @@ def test_rest_predict_instances(served):
     expected, expected_scores = _in_process(version_dir, SENTENCES)
     assert translations == expected
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-4)
+    # The plain row format of the docs' curl example: {"instances": ["...", ...]}.
+    request = urllib.request.Request(f"{rest}/v1/models/{MODEL_NAME}:predict",
+                                     data=json.dumps({"instances": SENTENCES}).encode("utf-8"))
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        predictions = json.loads(resp.read())["predictions"]
+    assert [p["translation"] for p in predictions] == expected
     greedy, _ = client.translate_with_scores(SENTENCES, signature="greedy")
     assert greedy == _in_process(version_dir, SENTENCES, "greedy")[0]
     # Bad input over the wire: one string each, no error.
