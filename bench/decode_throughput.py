@@ -13,9 +13,10 @@ tokens/s, where target tokens = sentencepiece pieces of each translation + 1
 warmed up on one batch first. Also checks that cached and uncached decoding
 give the same translations.
 
-Without --model-dir it trains a quick model first (export.quick_model; say
-which in the report): an untrained model's outputs run to the length limit
-and would not be representative.
+Without --model-dir it trains a quick model first (export.quick_model,
+preset small, 600 steps on 10,000 pairs: ~20 minutes on 2 busy cores; it is
+kept in --work-dir and reused) and names it in the output: an untrained
+model's outputs run to the length limit and would not be representative.
 """
 
 from __future__ import annotations
