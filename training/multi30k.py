@@ -42,8 +42,9 @@ class Multi30kConfig(tfds.core.BuilderConfig):
 class Multi30k(tfds.core.GeneratorBasedBuilder):
     """Multi30k task 1 raw text (29,000 train / 1,014 validation / 1,000 test_2016_flickr)."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Raw task-1 text; empty line pairs are skipped."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Raw task-1 text; empty line pairs are skipped.",
+                     "1.1.0": "Examples keep the files' line order (test sets align with sacreBLEU's)."}
     MANUAL_DOWNLOAD_INSTRUCTIONS = HOW_TO_GET_MULTI30K
     BUILDER_CONFIGS = [Multi30kConfig(languages=sorted(p)) for p in itertools.combinations(MULTI30K_LANGS, 2)]
 
@@ -62,6 +63,10 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
             supervised_keys=self.builder_config.languages,
             homepage="https://github.com/multi30k/dataset",
             citation=_CITATION,
+            # Keep file order: hypotheses written in dataset order then line up with
+            # the raw reference files (and sacreBLEU's multi30k/2016). Training
+            # shuffles in tf.data.
+            disable_shuffling=True,
         )
 
     def _split_generators(self, dl_manager):
