@@ -18,8 +18,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     `value_mask`, `key_mask`, `use_causal_mask`) work as usual.
 
     With `cache` it runs one decoding step and reuses earlier work. The cache is
-    a tensor `[batch, 2, cache_length, num_heads, key_dim]` holding the projected
-    keys (index 0) and values (index 1):
+    a pair `(keys, values)` of projected heads, each
+    `[batch, cache_length, num_heads, key_dim]` (two tensors rather than one
+    stacked tensor: a decoding step then writes and reorders them without
+    copying the whole cache several times):
 
     - Self-attention: start from `empty_cache(batch, max_length)` and pass
       `cache_update_index=t`. The projected key/value of the new query
@@ -49,20 +51,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     """
 
     def empty_cache(self, batch_size, max_length):
-        """Zeros `[batch_size, 2, max_length, num_heads, key_dim]` for self-attention."""
-        return tf.zeros(
-            [batch_size, 2, max_length, self.num_heads, self.key_dim],
-            dtype=self.compute_dtype,
-        )
+        """`(keys, values)` zeros, each `[batch_size, max_length, num_heads, key_dim]`, for self-attention."""
+        shape = [batch_size, max_length, self.num_heads, self.key_dim]
+        return tf.zeros(shape, dtype=self.compute_dtype), tf.zeros(shape, dtype=self.compute_dtype)
 
     def compute_cache(self, value, key=None):
         """Projects `key`/`value` `[batch, length, dim]` once, for cross-attention.
 
-        Returns `[batch, 2, length, num_heads, key_dim]`.
+        Returns `(keys, values)`, each `[batch, length, num_heads, key_dim]`.
         """
         key = value if key is None else key
-        key, value = _without_keras_mask(key), _without_keras_mask(value)
-        return tf.stack([self._key_dense(key), self._value_dense(value)], axis=1)
+        return self._key_dense(_without_keras_mask(key)), self._value_dense(_without_keras_mask(value))
 
     def call(
         self,
@@ -95,17 +94,16 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
         # Masks play no part here; dropping them keeps the projections quiet.
         query_heads = self._query_dense(_without_keras_mask(query))
-        if cache_update_index is None:
-            key_heads, value_heads = cache[:, 0], cache[:, 1]
-        else:
+        key_heads, value_heads = cache
+        if cache_update_index is not None:
             key = _without_keras_mask(value if key is None else key)
             value = _without_keras_mask(value)
-            key_heads = _write_at(cache[:, 0], cache_update_index, self._key_dense(key))
-            value_heads = _write_at(cache[:, 1], cache_update_index, self._value_dense(value))
-            cache = tf.stack([key_heads, value_heads], axis=1)
+            key_heads = _write_at(key_heads, cache_update_index, self._key_dense(key))
+            value_heads = _write_at(value_heads, cache_update_index, self._value_dense(value))
+            cache = (key_heads, value_heads)
             causal = _cached_causal_mask(
                 query_length=tf.shape(query)[1],
-                cache_length=tf.shape(cache)[2],
+                cache_length=tf.shape(key_heads)[1],
                 start=cache_update_index,
             )
             attention_mask = (

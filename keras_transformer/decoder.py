@@ -37,8 +37,8 @@ class DecoderLayer(keras.layers.Layer):
         Missing padding masks fall back to the Keras masks of `x` and
         `encoder_output`. Self-attention is always causal.
 
-    Incremental decoding: also pass `self_attention_cache`
-    (`[batch, 2, max_length, num_heads, d_model // num_heads]`, from
+    Incremental decoding: also pass `self_attention_cache` (keys and values,
+    each `[batch, max_length, num_heads, d_model // num_heads]`, from
     `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
     and optionally `cross_attention_cache` (from
     `cross_attention.compute_cache(encoder_output)`); the call then returns
@@ -159,12 +159,12 @@ class Decoder(keras.layers.Layer):
         `[batch, source_len, d_model]`, encoder_padding_mask `[batch, source_len]`)
         -> `[batch, target_len, d_model]`.
 
-    Incremental decoding: caches for all layers are stacked on a leading axis:
-    `empty_cache(batch, max_length)` -> `[num_layers, batch, 2, max_length,
-    num_heads, d_k]` and `compute_cross_attention_cache(encoder_output)` ->
-    `[num_layers, batch, 2, source_len, num_heads, d_k]`. Passing
-    `self_attention_cache`, `cache_index` and `cross_attention_cache` makes the
-    call return `(output, updated_self_attention_cache)`.
+    Incremental decoding: one `(keys, values)` pair per layer, each tensor
+    `[batch, length, num_heads, d_k]`: `empty_cache(batch, max_length)` for
+    self-attention and `compute_cross_attention_cache(encoder_output)` (length
+    source_len). Passing `self_attention_cache`, `cache_index` and
+    `cross_attention_cache` makes the call return
+    `(output, updated_self_attention_cache)`.
 
     Example:
 
@@ -200,10 +200,10 @@ class Decoder(keras.layers.Layer):
         self.built = True
 
     def empty_cache(self, batch_size, max_length):
-        return tf.stack([layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers])
+        return [layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers]
 
     def compute_cross_attention_cache(self, encoder_output):
-        return tf.stack([layer.cross_attention.compute_cache(encoder_output) for layer in self.decoder_layers])
+        return [layer.cross_attention.compute_cache(encoder_output) for layer in self.decoder_layers]
 
     def call(
         self,
@@ -244,7 +244,7 @@ class Decoder(keras.layers.Layer):
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self_attention_cache is not None:
-            return x, tf.stack(updated_caches)
+            return x, updated_caches
         return x
 
     def compute_output_shape(self, x_shape, encoder_output_shape=None):

@@ -84,22 +84,16 @@ def _write_column(tokens, t, column):
 
 
 def _while_loop(cond, body, state):
-    """`tf.while_loop` over (step, per-sentence tensors..., cache) with a free batch size.
+    """`tf.while_loop` over (step, per-sentence tensors and caches...) with a free batch size.
 
-    The batch is the first axis of every state tensor but the stacked caches,
-    whose first axis is the layer; static sizes elsewhere are kept.
+    The batch is the first axis of every state tensor but the step; static
+    sizes elsewhere are kept.
     """
 
-    def free_axis(x, axis):
-        shape = x.shape.as_list()
-        shape[axis] = None
-        return tf.TensorShape(shape)
+    def free_batch(x):
+        return tf.TensorShape([None] + x.shape.as_list()[1:])
 
-    invariants = (
-        tf.TensorShape([]),
-        *(free_axis(x, 0) for x in state[1:-1]),
-        tf.nest.map_structure(lambda c: free_axis(c, 1), state[-1]),
-    )
+    invariants = (tf.TensorShape([]), *tf.nest.map_structure(free_batch, state[1:]))
     return tf.while_loop(cond, body, state, shape_invariants=invariants)
 
 
@@ -167,7 +161,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     `end_id` among the best `beam_size` is finished and scored with the length
     penalty; the best `beam_size` that do not end stay alive. A sentence's
     beam is done when it has `beam_size` finished hypotheses (or reaches its
-    length limit, where only `end_id` may come).
+    length limit, where only `end_id` may come), or earlier, as soon as no live
+    hypothesis can still beat its best finished one.
 
     Beam search alone can prune the greedy path and end below it, so each
     sentence also carries its greedy hypothesis as one more row of the same
@@ -197,7 +192,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     batch_size = tf.shape(encoder_output)[0]
     cache = model.init_decoding_cache(encoder_output, steps) if use_cache else {}
     # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
-    cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=1), cache)
+    cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache)
     encoder_output = tf.repeat(encoder_output, rows, axis=0)
     source_mask = tf.repeat(source_mask, rows, axis=0)
     row_limits = tf.repeat(limits, rows, axis=0)
@@ -242,14 +237,20 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         alive_tokens = tf.gather(top_tokens, keep, batch_dims=1)
         source_row = tf.concat([tf.gather(top_beam, keep, batch_dims=1), tf.fill([batch_size, 1], k)], axis=1)
         if use_cache:
+            reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
             cache = {
-                "self_attention": tf.gather(
-                    cache["self_attention"], tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1]), axis=1
-                ),
+                "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
                 # Identical for every row of a sentence: nothing to reorder.
                 "cross_attention": cache["cross_attention"],
             }
         last = tf.concat([tf.gather(top_token, keep, batch_dims=1), greedy_token[:, None]], axis=1)
+
+        # Stop early where nothing alive can still win: a log-probability only
+        # falls as a hypothesis grows, so its best possible score is now over
+        # the largest penalty it can reach. The result is unchanged.
+        largest_penalty = tf.maximum(length_penalty(t + 1, alpha), length_penalty(limits, alpha))
+        beam_done = beam_done | (alive_log_prob[:, 0] / largest_penalty < finished_scores[:, 0])
+        greedy_done = greedy_done | (greedy_log_prob / largest_penalty < finished_scores[:, 0])
         return (t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished,
                 beam_done, greedy_tokens, greedy_log_prob, greedy_done, cache)
 

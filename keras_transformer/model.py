@@ -210,8 +210,10 @@ class Transformer(keras.Model):
         `max_length` target positions, and the cross-attention keys/values of
         `encoder_output`, projected once here.
 
-        Returns a dict of two tensors shaped
-        `[num_decoder_layers, batch, 2, length, num_heads, d_model // num_heads]`.
+        Returns `{"self_attention": [...], "cross_attention": [...]}`, one
+        `(keys, values)` pair per decoder layer, each tensor
+        `[batch, length, num_heads, d_model // num_heads]`: batch first
+        everywhere, so beam search reorders every tensor on axis 0.
         """
         self._build_once()
         batch_size = tf.shape(encoder_output)[0]
