@@ -20,7 +20,11 @@ setup(
         "sentencepiece>=0.2",
         "sacrebleu>=2.4",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        # The gRPC client (export/client.py) and its test; REST needs nothing extra.
+        "serving": ["tensorflow-serving-api>=2.21,<2.22"],
+        "test": ["pytest>=8", "tensorflow-serving-api>=2.21,<2.22"],
+    },
     entry_points={
         "console_scripts": [
             "kt-train=training.train:main",
