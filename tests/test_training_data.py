@@ -141,3 +141,38 @@ def test_train_cli_reports_bad_data_clearly(tmp_path, capsys):
     assert main(args + ["--data-dir", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "github.com/multi30k/dataset" in err
+
+
+def test_tfds_translation_dataset_by_name(tmp_path):
+    """Any TFDS translation dataset by name (here a toy builder registered by this test)."""
+    import inspect
+
+    import tensorflow_datasets as tfds
+    from etils import epath
+
+    class KtToyTranslate(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        @tfds.core.utils.classproperty
+        @classmethod
+        def code_path(cls):  # see training/multi30k.py: TFDS 4.9.10 needs importlib_resources otherwise
+            return epath.Path(inspect.getfile(cls))
+
+        def _info(self):
+            return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=("pt", "en")),
+                                         disable_shuffling=True)
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples(5), "validation": self._generate_examples(2)}
+
+        def _generate_examples(self, n):
+            for i in range(n):
+                yield i, {"pt": f"frase {i}", "en": f"sentence {i}"}
+
+    spec = DataSpec(dataset="kt_toy_translate", source_lang="pt", target_lang="en", tfds_data_dir=str(tmp_path))
+    pairs = [(s.decode(), t.decode()) for s, t in load_text_pairs(spec, "train").as_numpy_iterator()]
+    assert pairs == [(f"frase {i}", f"sentence {i}") for i in range(5)]
+    assert len(list(load_text_pairs(spec, "validation"))) == 2
+    bad = DataSpec(dataset="kt_toy_translate", source_lang="pt", target_lang="de", tfds_data_dir=str(tmp_path))
+    with pytest.raises(DataError, match="languages"):
+        load_text_pairs(bad, "train")
