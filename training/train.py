@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -219,12 +220,24 @@ class ResumableBackup:
                 self._current_epoch = epoch
 
             def _save_model(self):
-                super()._save_model()
+                # Like Keras' version, but both files are written to temporary names
+                # first and renamed, so a kill at any moment leaves a complete
+                # (weights, metadata) pair: the new one or the previous one.
+                weights, meta_path = Path(self._weights_path), Path(self._training_metadata_path)
+                weights.parent.mkdir(parents=True, exist_ok=True)
+                if self.double_checkpoint:
+                    for src, dst in ((weights, self._prev_weights_path), (meta_path, self._prev_training_metadata_path)):
+                        if src.exists():
+                            shutil.copyfile(src, dst + ".tmp")
+                            os.replace(dst + ".tmp", dst)
+                tmp_weights = weights.with_name("tmp-" + weights.name)
+                self.model.save_weights(str(tmp_weights), overwrite=True)
                 meta = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
                         "step": int(self.model.optimizer.iterations.numpy())}
-                tmp = Path(self._training_metadata_path + ".tmp")
-                tmp.write_text(json.dumps(meta))
-                os.replace(tmp, self._training_metadata_path)
+                tmp_meta = meta_path.with_name("tmp-" + meta_path.name)
+                tmp_meta.write_text(json.dumps(meta))
+                os.replace(tmp_weights, weights)
+                os.replace(tmp_meta, meta_path)
 
         return _Backup(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
 
