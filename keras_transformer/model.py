@@ -24,14 +24,20 @@ def padding_mask(token_ids):
     return tf.not_equal(token_ids, PAD_ID)
 
 
-def _check_token_ids(name, token_ids):
-    if len(token_ids.shape) != 2:
+def _token_ids(name, token_ids):
+    """`token_ids` as an int tensor `[batch, length]`; a clear error for another rank.
+
+    Non-integer ids are cast to int32, as `keras.layers.Embedding` does: Keras'
+    own `fit()` under tf.distribute builds the model from a batch averaged
+    across replicas, which arrives as floats.
+    """
+    token_ids = tf.convert_to_tensor(token_ids)
+    if token_ids.shape.rank != 2:
         raise ValueError(
             f"Transformer expects {name} of shape [batch, length] (rank 2), "
             f"got shape {tuple(token_ids.shape)}."
         )
-    if not tf.as_dtype(token_ids.dtype).is_integer:
-        raise ValueError(f"Transformer expects integer token ids for {name}, got dtype {tf.as_dtype(token_ids.dtype).name}.")
+    return token_ids if token_ids.dtype.is_integer else tf.cast(token_ids, tf.int32)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -167,12 +173,13 @@ class Transformer(keras.Model):
 
     def call(self, inputs, training=None):
         source_ids, target_ids = inputs
+        source_ids = _token_ids("source_ids", source_ids)
         encoder_output = self.encode(source_ids, training=training)
         return self.decode(target_ids, encoder_output, padding_mask(source_ids), training=training)
 
     def encode(self, source_ids, training=None):
         """Source ids `[batch, source_len]` -> encoder output `[batch, source_len, d_model]`."""
-        _check_token_ids("source_ids", source_ids)
+        source_ids = _token_ids("source_ids", source_ids)
         self._build_once()
         embedding = self.source_embedding or self.target_embedding
         x = embedding(source_ids, training=training)
@@ -183,7 +190,7 @@ class Transformer(keras.Model):
 
         `encoder_padding_mask` is `padding_mask(source_ids)`, `[batch, source_len]`.
         """
-        _check_token_ids("target_ids", target_ids)
+        target_ids = _token_ids("target_ids", target_ids)
         self._build_once()
         x = self.target_embedding(target_ids, training=training)
         x = self.decoder(

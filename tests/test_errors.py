@@ -32,9 +32,11 @@ def test_wrong_input_rank(tiny_model):
         tiny_model((np.ones((1, 5), "int32"), np.ones((1, 5, 1), "int32")))
 
 
-def test_float_ids_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="integer token ids"):
-        tiny_model((np.ones((1, 5), "float32"), np.ones((1, 5), "int32")))
+def test_float_ids_are_cast_like_keras_embedding_does(tiny_model):
+    ids = np.array([[5, 6, 7, 3, 0]])
+    as_int = tiny_model((ids.astype("int32"), ids.astype("int32")))
+    as_float = tiny_model((ids.astype("float32"), ids.astype("float32")))
+    np.testing.assert_array_equal(as_float.numpy(), as_int.numpy())
 
 
 def test_learned_positions_need_max_length():
