@@ -68,7 +68,7 @@ def load_trained(model_dir, model_file=None, weights=None):
     return model, tokenizer, cfg
 
 
-def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 0.6, max_extra: int = 50):
+def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 0.6):
     """A function: batch of source strings -> batch of detokenized translations (tf.string).
 
     Tokenization, decoding and detokenization all run in one `tf.function`.
@@ -84,12 +84,13 @@ def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
     def translate(texts):
         source = encode_source(tokenizer, texts, max_length).to_tensor(0)
-        max_len = tf.shape(source)[1] + max_extra
-        if beam_size > 1 and hasattr(kt, "beam_search"):
+        # The default output limit is per sentence (its source length + 50), so a
+        # sentence's translation does not depend on the batch it is in.
+        if beam_size > 1:
             tokens, _ = kt.beam_search(model, source, start_id=start_id, end_id=end_id, beam_size=beam_size,
-                                       alpha=alpha, max_length=max_len)
+                                       alpha=alpha)
         else:
-            tokens, _ = kt.greedy_decode(model, source, start_id=start_id, end_id=end_id, max_length=max_len)
+            tokens, _ = kt.greedy_decode(model, source, start_id=start_id, end_id=end_id)
         # Keep the tokens before the first end id (and drop padding).
         before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, end_id), tf.int32), axis=1), 0)
         keep = tf.logical_and(before_end, tf.not_equal(tokens, 0))

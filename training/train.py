@@ -279,7 +279,7 @@ def build_and_compile(cfg, vocab_size: int, optimizer=None):
     # Build the compiled loss and metrics now, from an int batch. Otherwise
     # Keras 3.15's fit() under tf.distribute builds them from the first batch
     # reduced with strategy.reduce("MEAN"), which turns the int token ids into
-    # floats, and the Transformer rejects non-integer ids.
+    # floats (the Transformer casts them back, as keras.layers.Embedding does).
     # With everything built, also skip fit()'s own pre-build: it pulls one batch
     # from the distributed iterator and all-reduces it (MEAN) across replicas,
     # which fails under MultiWorkerMirroredStrategy when workers' batches differ
@@ -434,8 +434,9 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
     ]
     t0 = time.time()
+    # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
     history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
-                        callbacks=callbacks, verbose=cfg["verbose"])
+                        callbacks=callbacks, verbose=cfg["verbose"], shuffle=False)
     elapsed = time.time() - t0
     summary = {
         "epochs_run": [e + 1 for e in history.epoch],
