@@ -251,8 +251,6 @@ def build_model(cfg, vocab_size: int):
 def compile_model(model, cfg, optimizer=None):
     import keras_transformer as kt
 
-    from training.losses import ReplicaScaledMaskedLoss
-
     kwargs = {}
     if cfg["grad_accum"] and cfg["grad_accum"] > 1:
         kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
@@ -260,7 +258,7 @@ def compile_model(model, cfg, optimizer=None):
         optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], **kwargs)
     model.compile(
         optimizer=optimizer,
-        loss=ReplicaScaledMaskedLoss(label_smoothing=cfg["label_smoothing"]),
+        loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"]),
         metrics=[kt.MaskedAccuracy()],
         jit_compile=bool(cfg["jit_compile"]),
     )
