@@ -56,7 +56,7 @@ def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang=
                            shuffle=True, seed=seed, repeat=True)
     model = training_train.build_and_compile(cfg, vocab, optimizer=keras.optimizers.Adam(learning_rate))
     t0 = time.time()
-    history = model.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0)
+    history = model.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)  # the dataset shuffles itself
     summary = {"optimizer_steps": steps, "final_loss": float(history.history["loss"][-1]),
                "seconds": round(time.time() - t0, 1), "quick_model": {"lines": lines, "learning_rate": learning_rate}}
     model.save(model_dir / training_train.MODEL_FILENAME)
