@@ -29,7 +29,6 @@ tracks exactly the variables its concrete functions capture (what
 
 from __future__ import annotations
 
-import inspect
 
 import tensorflow as tf
 
@@ -40,10 +39,6 @@ TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
 IDS_SIGNATURE = "translate_ids"
 SIGNATURES = (TEXT_SIGNATURE, GREEDY_SIGNATURE, IDS_SIGNATURE)
-
-
-def _supports_use_cache():
-    return "use_cache" in inspect.signature(kt.beam_search).parameters
 
 
 class Translator(tf.Module):
@@ -72,8 +67,6 @@ class Translator(tf.Module):
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if max_source_length is not None and max_source_length < 2:
             raise ValueError(f"max_source_length must be >= 2 (one piece and the end id), got {max_source_length}")
-        if not use_cache and not _supports_use_cache():
-            raise NotImplementedError("This keras_transformer has no use_cache argument in its decoding functions.")
         self.tokenizer = tokenizer  # tracked: its sentencepiece resource is captured by the functions
         if tokenizer_file is not None:
             self.tokenizer_file = tf.saved_model.Asset(str(tokenizer_file))
@@ -82,15 +75,14 @@ class Translator(tf.Module):
         self.beam_size, self.alpha, self.use_cache = int(beam_size), float(alpha), bool(use_cache)
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
         # the functions capture (see the module docstring). The closures keep it alive.
-        decode_kwargs = {"use_cache": False} if not use_cache else {}
 
         def beam(source_ids):
             return kt.beam_search(model, source_ids, self.start_id, self.end_id, beam_size=self.beam_size,
-                                  alpha=self.alpha, **decode_kwargs)
+                                  alpha=self.alpha, use_cache=self.use_cache)
 
         def greedy(source_ids):
             return kt.greedy_decode(model, source_ids, self.start_id, self.end_id, alpha=self.alpha,
-                                    **decode_kwargs)
+                                    use_cache=self.use_cache)
 
         self._beam, self._greedy = beam, greedy
 
