@@ -33,6 +33,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 import keras_transformer as kt
+from training.pipeline import decode_output, encode_source
 
 PAD_ID = 0
 TEXT_SIGNATURE = "serving_default"
@@ -105,24 +106,13 @@ class Translator(tf.Module):
         """Strings `[batch]` -> source ids int32 `[batch, len]`: pieces (truncated) + end id, 0-padded."""
         text = tf.strings.unicode_transcode(text, input_encoding="UTF-8", output_encoding="UTF-8",
                                             errors="replace", replacement_char=0xFFFD)
-        pieces = tf.cast(self.tokenizer.tokenize(text), tf.int32)
-        if self.max_source_length is not None:
-            pieces = pieces[:, : self.max_source_length - 1]
-        end = tf.fill([pieces.nrows(), 1], tf.constant(self.end_id, tf.int32))
-        source = tf.concat([pieces, end], axis=1).to_tensor(PAD_ID)
-        return {"source_ids": tf.ensure_shape(source, [None, None])}
-
-    def _detokenize(self, tokens):
-        """Output tokens `[batch, length]` -> strings `[batch]` (everything from the end id on dropped)."""
-        before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, self.end_id), tf.int32), axis=1), 0)
-        keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
-        text = self.tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep))
-        return tf.reshape(text, [-1])
+        source = encode_source(self.tokenizer, text, self.max_source_length).to_tensor(PAD_ID)
+        return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None])}
 
     def _text_outputs(self, text, decode):
         source = self._tokenize(text)["source_ids"]
         tokens, scores = decode(source)
-        return {"translation": self._detokenize(tokens), "score": tf.reshape(scores, [-1])}
+        return {"translation": decode_output(self.tokenizer, tokens, self.end_id), "score": tf.reshape(scores, [-1])}
 
     def _translate_text(self, text):
         return self._text_outputs(text, self._beam)

@@ -76,7 +76,7 @@ def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 
     import tensorflow as tf
 
     import keras_transformer as kt
-    from training.pipeline import encode_source
+    from training.pipeline import decode_output, encode_source
 
     start_id, end_id = cfg["start_id"], cfg["end_id"]
     max_length = cfg.get("max_length")
@@ -91,11 +91,7 @@ def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 
                                        alpha=alpha)
         else:
             tokens, _ = kt.greedy_decode(model, source, start_id=start_id, end_id=end_id)
-        # Keep the tokens before the first end id (and drop padding).
-        before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, end_id), tf.int32), axis=1), 0)
-        keep = tf.logical_and(before_end, tf.not_equal(tokens, 0))
-        pieces = tf.ragged.boolean_mask(tokens, keep)
-        return tokenizer.detokenize(pieces)
+        return decode_output(tokenizer, tokens, end_id)
 
     return translate
 

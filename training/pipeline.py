@@ -28,6 +28,14 @@ def encode_source(tokenizer, texts, max_length: int | None = None):
     return tf.concat([ids, eos], axis=1)
 
 
+def decode_output(tokenizer, tokens, end_id: int = EOS_ID):
+    """Decoded tokens `[batch, length]` -> strings `[batch]`: everything from the
+    first end id on, and padding, dropped before detokenizing."""
+    before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, end_id), tf.int32), axis=1), 0)
+    keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
+    return tf.reshape(tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1])
+
+
 def _encode_pairs(tokenizer):
     def encode(src_text, tgt_text):  # scalar strings -> three 1-D int32 tensors
         src = tf.cast(tokenizer.tokenize(src_text), tf.int32)
