@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.attention import MultiHeadAttention, head_size
-from keras_transformer.encoder import LAYER_NORM_EPSILON, keras_mask
+from keras_transformer.encoder import LAYER_NORM_EPSILON, attention_spec, keras_mask
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.residual import residual
 
@@ -36,6 +36,13 @@ class DecoderLayer(keras.layers.Layer):
         -> `[batch, target_len, d_model]`.
         Missing padding masks fall back to the Keras masks of `x` and
         `encoder_output`. Self-attention is always causal.
+
+    Attention weights: `return_attention_scores=True` (full pass only) makes
+    the call return `(output, scores)` with `scores` a dict, keyed like the
+    decoding caches:
+    `{"self_attention": [batch, num_heads, target_len, target_len],
+    "cross_attention": [batch, num_heads, target_len, source_len]}`
+    (query by key; 0 above the diagonal and on padding keys).
 
     Incremental decoding: also pass `self_attention_cache` (keys and values,
     each `[batch, max_length, num_heads, d_model // num_heads]`, from
@@ -94,11 +101,19 @@ class DecoderLayer(keras.layers.Layer):
         cache_index=None,
         cross_attention_cache=None,
         training=None,
+        return_attention_scores=False,
     ):
+        if return_attention_scores and self_attention_cache is not None:
+            raise ValueError(
+                "DecoderLayer returns attention scores for a full pass only; "
+                "call it without self_attention_cache to get them."
+            )
         if encoder_padding_mask is None:
             encoder_padding_mask = keras_mask(encoder_output)
         cross_mask = None if encoder_padding_mask is None else encoder_padding_mask[:, None, :]
         updated_cache = []
+        # The residual block takes a tensor -> tensor sub-layer, so the weights leave by this dict.
+        scores = {}
 
         def self_attention(h):
             if self_attention_cache is not None:
@@ -112,7 +127,12 @@ class DecoderLayer(keras.layers.Layer):
             padding = decoder_padding_mask if decoder_padding_mask is not None else keras_mask(x)
             if padding is not None:
                 mask = tf.logical_and(mask, padding[:, None, :])
-            return self.self_attention(h, h, attention_mask=mask, training=training)
+            out = self.self_attention(
+                h, h, attention_mask=mask, return_attention_scores=return_attention_scores, training=training
+            )
+            if return_attention_scores:
+                out, scores["self_attention"] = out
+            return out
 
         def cross_attention(h):
             if cross_attention_cache is not None:
@@ -120,17 +140,38 @@ class DecoderLayer(keras.layers.Layer):
                     h, encoder_output, attention_mask=cross_mask, cache=cross_attention_cache, training=training
                 )
                 return out
-            return self.cross_attention(h, encoder_output, attention_mask=cross_mask, training=training)
+            out = self.cross_attention(
+                h,
+                encoder_output,
+                attention_mask=cross_mask,
+                return_attention_scores=return_attention_scores,
+                training=training,
+            )
+            if return_attention_scores:
+                out, scores["cross_attention"] = out
+            return out
 
         x = residual(x, self_attention, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
         x = residual(x, cross_attention, self.cross_attention_norm, self.dropout_layer, self.norm_first, training)
         x = residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
         if self_attention_cache is not None:
             return x, updated_cache[0]
+        if return_attention_scores:
+            return x, scores
         return x
 
     def compute_output_shape(self, x_shape, encoder_output_shape=None):
         return x_shape
+
+    def compute_output_spec(self, x, encoder_output, *args, return_attention_scores=False, **kwargs):
+        # compute_output_shape knows one output; the weights are a second one.
+        output = super().compute_output_spec(x, encoder_output, *args, **kwargs)
+        if not return_attention_scores:
+            return output
+        return output, {
+            "self_attention": attention_spec(self, x, x),
+            "cross_attention": attention_spec(self, x, encoder_output),
+        }
 
     def get_config(self):
         return {
@@ -165,6 +206,11 @@ class Decoder(keras.layers.Layer):
     source_len). Passing `self_attention_cache`, `cache_index` and
     `cross_attention_cache` makes the call return
     `(output, updated_self_attention_cache)`.
+
+    Attention weights (full pass only): `return_attention_scores=True` makes
+    the call return `(output, scores)`, `scores` being
+    `{"self_attention": [...], "cross_attention": [...]}` with one tensor per
+    layer, first layer first, shaped as in `DecoderLayer`.
 
     Example:
 
@@ -215,12 +261,14 @@ class Decoder(keras.layers.Layer):
         cache_index=None,
         cross_attention_cache=None,
         training=None,
+        return_attention_scores=False,
     ):
         if encoder_padding_mask is None:
             encoder_padding_mask = keras_mask(encoder_output)
         if decoder_padding_mask is None:
             decoder_padding_mask = keras_mask(x)
         updated_caches = []
+        scores = {"self_attention": [], "cross_attention": []}
         for i, layer in enumerate(self.decoder_layers):
             if self_attention_cache is None:
                 x = layer(
@@ -229,7 +277,12 @@ class Decoder(keras.layers.Layer):
                     encoder_padding_mask=encoder_padding_mask,
                     decoder_padding_mask=decoder_padding_mask,
                     training=training,
+                    return_attention_scores=return_attention_scores,
                 )
+                if return_attention_scores:
+                    x, layer_scores = x
+                    for name, weights in layer_scores.items():
+                        scores[name].append(weights)
             else:
                 x, cache = layer(
                     x,
@@ -239,16 +292,28 @@ class Decoder(keras.layers.Layer):
                     cache_index=cache_index,
                     cross_attention_cache=None if cross_attention_cache is None else cross_attention_cache[i],
                     training=training,
+                    return_attention_scores=return_attention_scores,
                 )
                 updated_caches.append(cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self_attention_cache is not None:
             return x, updated_caches
+        if return_attention_scores:
+            return x, scores
         return x
 
     def compute_output_shape(self, x_shape, encoder_output_shape=None):
         return x_shape
+
+    def compute_output_spec(self, x, encoder_output, *args, return_attention_scores=False, **kwargs):
+        output = super().compute_output_spec(x, encoder_output, *args, **kwargs)
+        if not return_attention_scores:
+            return output
+        return output, {
+            "self_attention": [attention_spec(self, x, x) for _ in self.decoder_layers],
+            "cross_attention": [attention_spec(self, x, encoder_output) for _ in self.decoder_layers],
+        }
 
     def get_config(self):
         return {

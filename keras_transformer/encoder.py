@@ -15,6 +15,11 @@ def keras_mask(x):
     return getattr(x, "_keras_mask", None)
 
 
+def attention_spec(layer, query, key):
+    """Symbolic attention weights `[batch, num_heads, query_len, key_len]` (functional API, `keras.Input`)."""
+    return keras.KerasTensor((query.shape[0], layer.num_heads, query.shape[1], key.shape[1]), dtype=layer.compute_dtype)
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class EncoderLayer(keras.layers.Layer):
     """Self-attention then feed-forward, each in a residual block.
@@ -31,6 +36,12 @@ class EncoderLayer(keras.layers.Layer):
         bool, True at real tokens) -> `[batch, source_len, d_model]`.
         Without `padding_mask` the Keras mask of `x` is used (for example the
         one `PositionalEmbedding` attaches); without either, nothing is masked.
+
+        With `return_attention_scores=True` the call returns `(output, scores)`,
+        as `keras.layers.MultiHeadAttention` does: `scores` are the
+        self-attention weights `[batch, num_heads, source_len, source_len]`
+        (query by key; a real token's row sums to 1, 0 on padding keys). It
+        works in the functional API too (a second symbolic output).
 
     Example:
 
@@ -68,19 +79,35 @@ class EncoderLayer(keras.layers.Layer):
         self.feed_forward_norm.build(input_shape)
         self.built = True
 
-    def call(self, x, padding_mask=None, training=None):
+    def call(self, x, padding_mask=None, training=None, return_attention_scores=False):
         if padding_mask is None:
             padding_mask = keras_mask(x)
         attention_mask = None if padding_mask is None else padding_mask[:, None, :]
+        # The residual block takes a tensor -> tensor sub-layer, so the weights leave by this list.
+        scores = []
 
         def self_attention(h):
-            return self.self_attention(h, h, attention_mask=attention_mask, training=training)
+            out = self.self_attention(
+                h, h, attention_mask=attention_mask, return_attention_scores=return_attention_scores, training=training
+            )
+            if return_attention_scores:
+                out, weights = out
+                scores.append(weights)
+            return out
 
         x = residual(x, self_attention, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
-        return residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
+        x = residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
+        if return_attention_scores:
+            return x, scores[0]
+        return x
 
     def compute_output_shape(self, input_shape):
         return input_shape
+
+    def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
+        # compute_output_shape knows one output; the weights are a second one.
+        output = super().compute_output_spec(x, *args, **kwargs)
+        return (output, attention_spec(self, x, x)) if return_attention_scores else output
 
     def get_config(self):
         return {
@@ -105,7 +132,10 @@ class Encoder(keras.layers.Layer):
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`)
-        -> `[batch, source_len, d_model]`.
+        -> `[batch, source_len, d_model]`; with `return_attention_scores=True`,
+        `(output, scores)` where `scores` holds one
+        `[batch, num_heads, source_len, source_len]` tensor per layer, first
+        layer first.
 
     Example:
 
@@ -141,17 +171,29 @@ class Encoder(keras.layers.Layer):
             self.final_norm.build(input_shape)
         self.built = True
 
-    def call(self, x, padding_mask=None, training=None):
+    def call(self, x, padding_mask=None, training=None, return_attention_scores=False):
         if padding_mask is None:
             padding_mask = keras_mask(x)
+        scores = []
         for layer in self.encoder_layers:
-            x = layer(x, padding_mask=padding_mask, training=training)
+            x = layer(x, padding_mask=padding_mask, training=training, return_attention_scores=return_attention_scores)
+            if return_attention_scores:
+                x, weights = x
+                scores.append(weights)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if return_attention_scores:
+            return x, scores
         return x
 
     def compute_output_shape(self, input_shape):
         return input_shape
+
+    def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
+        output = super().compute_output_spec(x, *args, **kwargs)
+        if not return_attention_scores:
+            return output
+        return output, [attention_spec(self, x, x) for _ in self.encoder_layers]
 
     def get_config(self):
         return {

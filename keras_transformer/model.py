@@ -212,6 +212,60 @@ class Transformer(keras.Model):
         # float32 logits keep softmax and the loss exact under mixed precision.
         return tf.cast(logits, tf.float32)
 
+    def attention_scores(self, source_ids, target_ids):
+        """The attention weights of every layer, for plotting or inspection.
+
+        A full, inference-mode pass (no dropout) over `source_ids`
+        `[batch, source_len]` and decoder input `target_ids`
+        `[batch, target_len]` (start id first, as in `call`).
+
+        Returns a dict of lists, one float32 tensor per layer, first layer first,
+        each `[batch, num_heads, query_len, key_len]` (softmax weights, rows
+        summing to 1 at real query tokens, 0 on padding keys):
+
+        - `"encoder_self_attention"`: `[batch, heads, source_len, source_len]`
+        - `"decoder_self_attention"`: `[batch, heads, target_len, target_len]`
+          (0 above the diagonal: the decoder is causal)
+        - `"decoder_cross_attention"`: `[batch, heads, target_len, source_len]`
+          (which source tokens each target position reads, paper section 3.2.3)
+
+        Example:
+
+        ```python
+        scores = model.attention_scores(source_ids, target_in)
+        heatmap = scores["decoder_cross_attention"][-1][0].numpy().mean(axis=0)  # [target_len, source_len]
+        ```
+        """
+        source_ids = _token_ids("source_ids", source_ids)
+        target_ids = _token_ids("target_ids", target_ids)
+        self._build_once()
+        source_mask = padding_mask(source_ids)
+        embedding = self.source_embedding or self.target_embedding
+        encoder_output, encoder_scores = self.encoder(
+            embedding(source_ids, training=False),
+            padding_mask=source_mask,
+            training=False,
+            return_attention_scores=True,
+        )
+        _, decoder_scores = self.decoder(
+            self.target_embedding(target_ids, training=False),
+            encoder_output,
+            encoder_padding_mask=source_mask,
+            decoder_padding_mask=padding_mask(target_ids),
+            training=False,
+            return_attention_scores=True,
+        )
+
+        def float32(tensors):
+            # Under mixed precision the weights are bfloat16/float16; plots and sums want float32.
+            return [tf.cast(t, tf.float32) for t in tensors]
+
+        return {
+            "encoder_self_attention": float32(encoder_scores),
+            "decoder_self_attention": float32(decoder_scores["self_attention"]),
+            "decoder_cross_attention": float32(decoder_scores["cross_attention"]),
+        }
+
     def init_decoding_cache(self, encoder_output, max_length):
         """Caches for `decode_step`: empty self-attention keys/values for
         `max_length` target positions, and the cross-attention keys/values of
