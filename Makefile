@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: venv test train clean
+.PHONY: venv test train plots clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,15 @@ test: venv
 
 train: venv
 	$(PY) -m training.train --preset small --data-dir ../shared/data/multi30k --source-lang en --target-lang de --model-dir runs/en-de
+
+# The README figures of a run: `make plots RUN=runs/en-de` writes docs/images/{lr_schedule,loss,attention}.png.
+RUN ?= runs/en-de
+SOURCE ?= A man in an orange hat starring at something.
+
+plots: venv
+	$(PY) -m training.plots schedule --model-dir $(RUN) --out docs/images/lr_schedule.png
+	$(PY) -m training.plots loss --model-dir $(RUN) --out docs/images/loss.png
+	$(PY) -m training.plots attention --model-dir $(RUN) --source "$(SOURCE)" --out docs/images/attention.png
 
 clean:
 	rm -rf $(VENV) *.egg-info

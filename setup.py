@@ -23,7 +23,9 @@ setup(
     extras_require={
         # The gRPC client (export/client.py) and its test; REST needs nothing extra.
         "serving": ["tensorflow-serving-api>=2.21,<2.22"],
-        "test": ["pytest>=8", "tensorflow-serving-api>=2.21,<2.22"],
+        # Figures of a run (python -m training.plots); tests/test_plots.py needs it too.
+        "plots": ["matplotlib>=3.6"],
+        "test": ["pytest>=8", "tensorflow-serving-api>=2.21,<2.22", "matplotlib>=3.6"],
     },
     entry_points={
         "console_scripts": [
