@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: venv test train plots clean
+.PHONY: venv test train plots clean bench-venv
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ plots: venv
 	$(PY) -m training.plots schedule --model-dir $(RUN) --out docs/images/lr_schedule.png
 	$(PY) -m training.plots loss --model-dir $(RUN) --out docs/images/loss.png
 	$(PY) -m training.plots attention --model-dir $(RUN) --source "$(SOURCE)" --out docs/images/attention.png
+
+# Peers for bench/peers_throughput.py (torch, keras-hub), kept out of the project's own venv.
+BENCH_VENV := .venv-bench
+
+$(BENCH_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/pip install --quiet -e . keras-hub
+	touch $@
+
+bench-venv: $(BENCH_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) *.egg-info
