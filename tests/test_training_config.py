@@ -54,3 +54,30 @@ def test_mixed_precision_training(tmp_path):
     assert all(w.dtype == "float32" for w in model.weights)
     ids = np.array([[5, 6, 7, 3]], "int32")
     assert model((ids, ids)).dtype == "float32"
+
+
+def test_shipped_multi30k_recipe_parses():
+    cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k.json")])
+    assert cfg["preset"] == "small" and cfg["mixed_precision"] and cfg["max_minutes"] == 50
+    assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_time_budget_stops_after_a_whole_epoch(tmp_path):
+    from training.train import train
+
+    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
+    for lang, p in (("en", src), ("de", tgt)):
+        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    common = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
+              "--tokens-per-batch", "400", "--epochs", "3", "--steps-per-epoch", "2", "--warmup-steps", "10",
+              "--no-validation", "--verbose", "0"]
+    # A budget far shorter than one epoch: the first epoch still completes (and is checkpointed), then it stops.
+    summary = train(resolve_config(common + ["--model-dir", str(tmp_path / "short"), "--max-minutes", "1e-6"]))
+    assert summary["epochs_run"] == [1] and summary["stopped_by_time_budget"]
+    assert summary["optimizer_steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "short" / "checkpoints").iterdir()) == ["epoch-001.weights.h5"]
+    assert (tmp_path / "short" / "model.keras").exists()
+    # A generous budget changes nothing.
+    summary = train(resolve_config(common + ["--model-dir", str(tmp_path / "long"), "--max-minutes", "60"]))
+    assert summary["epochs_run"] == [1, 2, 3] and not summary["stopped_by_time_budget"]

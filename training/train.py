@@ -48,6 +48,7 @@ DEFAULTS = {
     "warmup_steps": 4000,
     "label_smoothing": 0.1,
     "epochs": 10,
+    "max_minutes": None,
     "steps_per_epoch": None,
     "validation": True,
     "max_train_examples": None,
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-dir", help="output directory (default runs/model)")
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
+    g.add_argument("--max-minutes", type=float,
+                   help="stop after the last epoch that fits in this many minutes of training (default: no limit)")
     g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
     g.add_argument("--label-smoothing", type=float)
     g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
@@ -240,6 +243,35 @@ class ResumableBackup:
                 os.replace(tmp_meta, meta_path)
 
         return _Backup(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
+
+
+class TimeBudget:
+    """Factory for a Keras callback that ends `fit` after the last epoch that fits in `max_minutes`.
+
+    Epochs are never cut short (checkpoints stay whole epochs, so averaging still
+    works): after each epoch, training stops if one more epoch of the mean length
+    so far would pass the budget. The budget counts this process's training time.
+    """
+
+    @staticmethod
+    def make(max_minutes: float):
+        import keras
+
+        class _TimeBudget(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                self.t0, self.epochs_done, self.stopped_after = time.time(), 0, None
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.epochs_done += 1
+                elapsed = time.time() - self.t0
+                if elapsed + elapsed / self.epochs_done > max_minutes * 60:
+                    self.model.stop_training = True
+                    self.stopped_after = epoch + 1
+                    print(f"[kt-train] time budget: stopping after epoch {epoch + 1} "
+                          f"({elapsed / 60:.1f} of {max_minutes:g} minutes used; another epoch would not fit)",
+                          flush=True)
+
+        return _TimeBudget()
 
 
 def build_model(cfg, vocab_size: int):
@@ -408,6 +440,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     import keras
     import tensorflow as tf
 
+    from training.errors import ConfigError
     from training.tb import tensorboard_callback
 
     with strategy.scope():
@@ -431,6 +464,13 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         keras.callbacks.TerminateOnNaN(),
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
     ]
+    budget = None
+    if cfg.get("max_minutes"):
+        if num_workers > 1:
+            # Each worker would decide on its own clock; one stopping alone would hang the others.
+            raise ConfigError("--max-minutes is not supported with more than one worker; set --epochs instead")
+        budget = TimeBudget.make(cfg["max_minutes"])
+        callbacks.append(budget)
     t0 = time.time()
     # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
     history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
@@ -443,6 +483,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         "final_loss": history.history["loss"][-1] if history.history.get("loss") else None,
         "seconds": round(elapsed, 1),
         "replicas": replicas,
+        "stopped_by_time_budget": bool(budget and budget.stopped_after),
     }
     losses = history.history.get("loss") or [0.0]
     if not all(l == l and abs(l) != float("inf") for l in losses):  # TerminateOnNaN stopped the run
