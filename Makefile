@@ -17,11 +17,24 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest tests -q
 
+# The README's main command, Multi30k SRC->TGT end to end: train with configs/multi30k.json (small preset,
+# at most 50 minutes of training), average the last 5 epoch checkpoints, score beam search on test_2016_flickr
+# with sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English.
+SRC ?= en
+TGT ?= de
+RUN ?= runs/$(SRC)-$(TGT)
+BEAM ?= 4
+ALPHA ?= 0.6
+
 train: venv
-	$(PY) -m training.train --preset small --data-dir ../shared/data/multi30k --source-lang en --target-lang de --model-dir runs/en-de
+	$(PY) -m training.train --config configs/multi30k.json --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN)
+	$(PY) -m training.average_checkpoints --model-dir $(RUN) --last 5
+	$(PY) -m training.evaluate --model-dir $(RUN) --model-file $(RUN)/averaged.keras --split test_2016_flickr \
+		--beam-size $(BEAM) --alpha $(ALPHA)
+	$(PY) -m export.export_model --model-dir $(RUN) --model-file $(RUN)/averaged.keras --export-dir exports/$(SRC)-$(TGT) \
+		--beam-size $(BEAM) --alpha $(ALPHA)
 
 # The README figures of a run: `make plots RUN=runs/en-de` writes docs/images/{lr_schedule,loss,attention}.png.
-RUN ?= runs/en-de
 SOURCE ?= A man in an orange hat starring at something.
 
 plots: venv

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
     g.add_argument("--max-minutes", type=float,
-                   help="stop after the last epoch that fits in this many minutes of training (default: no limit)")
+                   help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
     g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
     g.add_argument("--label-smoothing", type=float)
     g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
