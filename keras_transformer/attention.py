@@ -2,6 +2,7 @@
 
 import keras
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -129,15 +130,26 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 def _write_at(heads, index, update):
     """`heads` `[batch, length, num_heads, key_dim]` with `update` written from position `index`.
 
-    A core op (`TensorStridedSliceUpdate`), not `keras.ops.slice_update`, whose
-    TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock TF
-    Serving model server will not run that outside XLA.
+    Outside XLA, a core op (`TensorStridedSliceUpdate`), not `keras.ops.slice_update`,
+    whose TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock TF
+    Serving model server will not run that outside XLA. Inside a
+    `tf.function(jit_compile=True)` it is the other way round: XLA needs the
+    strided slice's bounds at compile time, and `dynamic_update_slice` is its
+    native cache write.
     """
+    update = tf.cast(update, heads.dtype)
     begin = tf.stack([0, tf.cast(index, tf.int32), 0, 0])
+    if _in_xla_context():
+        return keras.ops.slice_update(heads, begin, update)
     end = begin + tf.shape(update, out_type=tf.int32)
     return tf.raw_ops.TensorStridedSliceUpdate(
-        input=heads, begin=begin, end=end, strides=tf.ones_like(begin), value=tf.cast(update, heads.dtype)
+        input=heads, begin=begin, end=end, strides=tf.ones_like(begin), value=update
     )
+
+
+def _in_xla_context():
+    """True while tracing inside `tf.function(jit_compile=True)` (TensorFlow has no public test for it)."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _without_keras_mask(x):

@@ -79,6 +79,20 @@ def test_cached_decoding_equals_uncached_decoding(copy_model, beam_size):
     np.testing.assert_allclose(cached_scores.numpy(), uncached_scores.numpy(), rtol=1e-4)
 
 
+@pytest.mark.parametrize("beam_size", [None, 3])
+def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
+    # Inside jit_compile the cache is written with XLA's dynamic_update_slice, outside with a core op.
+    source = _sources(9, 16)
+    if beam_size is None:
+        decode = lambda s: kt.greedy_decode(copy_model, s, START, END)  # noqa: E731
+    else:
+        decode = lambda s: kt.beam_search(copy_model, s, START, END, beam_size=beam_size)  # noqa: E731
+    tokens, scores = tf.function(decode)(source)
+    xla_tokens, xla_scores = tf.function(decode, jit_compile=True)(source)
+    np.testing.assert_array_equal(xla_tokens.numpy(), tokens.numpy())
+    np.testing.assert_allclose(xla_scores.numpy(), scores.numpy(), rtol=1e-4)
+
+
 def test_beam_size_one_is_greedy(copy_model):
     source = _sources(2, 32)
     greedy = tf.function(lambda s: kt.greedy_decode(copy_model, s, START, END))
