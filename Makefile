@@ -24,7 +24,7 @@ SRC ?= en
 TGT ?= de
 RUN ?= runs/$(SRC)-$(TGT)
 BEAM ?= 4
-ALPHA ?= 0.6
+ALPHA ?= 1.0
 
 train: venv
 	$(PY) -m training.train --config configs/multi30k.json --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN)
