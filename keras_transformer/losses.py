@@ -6,6 +6,38 @@ import tensorflow as tf
 from keras_transformer.embedding import PAD_ID
 
 
+def smoothed_cross_entropy(logits, labels, label_smoothing):
+    """Label-smoothed cross-entropy per position, from float32 logits.
+
+    With z the logits, V the vocabulary and eps the smoothing:
+    (1 - eps) * (-log p_y) + eps * mean_v(-log p_v) = lse(z) - (1 - eps) z_y - eps mean(z),
+    with gradient softmax(z) - (1 - eps) onehot(y) - eps / V. Written out (a
+    custom gradient), it never materializes log_softmax over the vocabulary, and
+    the backward pass is one multiply plus a scatter of one value per position.
+
+    Shapes: logits `[batch, length, vocab]`, labels `[batch, length]` -> `[batch, length]`.
+    """
+    vocab_size = tf.cast(tf.shape(logits)[-1], logits.dtype)
+
+    @tf.custom_gradient
+    def loss(z):
+        probs = tf.nn.softmax(z)
+        # lse(z) = z_j - log p_j for any j; at the argmax p_j >= 1/V, so the log cannot underflow.
+        lse = tf.reduce_max(z, axis=-1) - tf.math.log(tf.reduce_max(probs, axis=-1))
+        z_y = tf.gather(z, labels, axis=-1, batch_dims=2)
+        value = lse - (1.0 - label_smoothing) * z_y - label_smoothing * tf.reduce_mean(z, axis=-1)
+
+        def grad(upstream):
+            g = probs * upstream[..., None] - (upstream * (label_smoothing / vocab_size))[..., None]
+            positions = tf.cast(tf.where(tf.ones_like(labels, tf.bool)), tf.int32)  # [batch * length, 2]
+            indices = tf.concat([positions, tf.reshape(labels, [-1, 1])], axis=1)
+            return tf.tensor_scatter_nd_sub(g, indices, tf.reshape((1.0 - label_smoothing) * upstream, [-1]))
+
+        return value, grad
+
+    return loss(logits)
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     """Label-smoothed cross-entropy over real tokens, from logits.
@@ -34,10 +66,7 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         y_true = tf.cast(y_true, tf.int32)
-        log_probs = tf.nn.log_softmax(tf.cast(y_pred, tf.float32), axis=-1)
-        nll = -tf.gather(log_probs, y_true, axis=-1, batch_dims=2)
-        uniform = -tf.reduce_mean(log_probs, axis=-1)
-        per_token = (1.0 - self.label_smoothing) * nll + self.label_smoothing * uniform
+        per_token = smoothed_cross_entropy(tf.cast(y_pred, tf.float32), y_true, self.label_smoothing)
         mask = tf.cast(tf.not_equal(y_true, PAD_ID), tf.float32)
         # Keras reduces with the mean over all positions, then divides by the
         # replicas in sync under tf.distribute (a scalar returned here would
@@ -65,7 +94,11 @@ class MaskedAccuracy(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = tf.cast(y_true, tf.int32)
         mask = tf.not_equal(y_true, PAD_ID)
-        hits = tf.logical_and(mask, tf.equal(tf.argmax(y_pred, axis=-1, output_type=tf.int32), y_true))
+        # The reference token has the top logit (a tie counts as a hit): a max and a
+        # gather, cheaper than an argmax over [batch, length, vocab].
+        y_pred = tf.convert_to_tensor(y_pred)
+        top = tf.gather(y_pred, y_true, axis=-1, batch_dims=2) >= tf.reduce_max(y_pred, axis=-1)
+        hits = tf.logical_and(mask, top)
         self.correct.assign_add(tf.reduce_sum(tf.cast(hits, self.dtype)))
         self.total.assign_add(tf.reduce_sum(tf.cast(mask, self.dtype)))
 

@@ -208,7 +208,11 @@ class Transformer(keras.Model):
             logits = self.output_projection(x)
         else:
             embeddings = tf.cast(self.target_embedding.token_embedding.embeddings, x.dtype)
-            logits = tf.matmul(x, embeddings, transpose_b=True)
+            # One 2-D matmul over all positions: a batched matmul that broadcasts the
+            # embedding over the batch computes its gradient per sentence, then sums it.
+            shape = tf.shape(x)
+            logits = tf.matmul(tf.reshape(x, [-1, shape[-1]]), embeddings, transpose_b=True)
+            logits = tf.reshape(logits, tf.concat([shape[:-1], tf.shape(embeddings)[:1]], axis=0))
         # float32 logits keep softmax and the loss exact under mixed precision.
         return tf.cast(logits, tf.float32)
 

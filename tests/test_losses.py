@@ -37,6 +37,33 @@ def test_loss_matches_the_formula_and_ignores_padding(eps):
     assert float(kt.MaskedSparseCategoricalCrossentropy(label_smoothing=eps)(labels, logits)) == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_loss_gradient_is_softmax_minus_the_smoothed_target(eps):
+    # The loss has a hand-written gradient; it must equal automatic differentiation
+    # of the textbook formula, (1 - eps) * -log p_y + eps * mean(-log p), on real tokens only.
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    labels = rng.integers(1, 9, size=(3, 5))
+    labels[1, 2:] = 0
+    logits = tf.constant(rng.normal(size=(3, 5, 9)).astype("float32") * 30)  # large: no overflow either
+    mask = tf.cast(labels != 0, tf.float32)
+
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(logits)
+        ours = tf.reduce_sum(kt.MaskedSparseCategoricalCrossentropy(label_smoothing=eps).call(labels, logits))
+        log_probs = tf.nn.log_softmax(logits)
+        per_token = (1 - eps) * -tf.gather(log_probs, labels, axis=-1, batch_dims=2) + eps * -tf.reduce_mean(
+            log_probs, axis=-1
+        )
+        reference = tf.reduce_sum(per_token * mask) * (labels.size / tf.reduce_sum(mask))
+    np.testing.assert_allclose(float(ours), float(reference), rtol=1e-5)
+    grad, reference_grad = tape.gradient(ours, logits), tape.gradient(reference, logits)
+    assert np.isfinite(grad.numpy()).all()
+    np.testing.assert_allclose(grad.numpy(), reference_grad.numpy(), atol=1e-6)
+    assert (grad.numpy()[1, 2:] == 0).all()  # padding gets no gradient
+
+
 def test_masked_accuracy_counts_real_tokens_across_batches():
     metric = kt.MaskedAccuracy()
     labels = np.array([[1, 2, 0, 0], [3, 4, 5, 0]])
