@@ -161,6 +161,7 @@ def keras_worker(args) -> dict:
     import keras_transformer as kt
     from keras_transformer.model import PRESETS as KT_PRESETS
     from training.train import DEFAULTS, build_and_compile, compile_model
+    from train_throughput import timed_fit  # bench/, beside this file
 
     assert KT_PRESETS[args.preset] == PRESETS[args.preset], "PRESETS here differ from keras_transformer/model.py"
     keras.mixed_precision.set_global_policy("mixed_bfloat16" if args.precision == "bf16" else "float32")
@@ -176,18 +177,7 @@ def keras_worker(args) -> dict:
     src, tgt_in, tgt_out = synthetic_batch(args)
     ds = tf.data.Dataset.from_tensors(((src, tgt_in), tgt_out)).repeat()
 
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, step, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, step, logs=None):
-            float(logs["loss"])  # wait for the step to finish
-            times.append(time.perf_counter() - self.t0)
-
-    model.fit(ds, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[Timer()])
-    return {"times": times[args.warmup:], "params": model.count_params(),
+    return {"times": timed_fit(model, ds, args.warmup, args.steps), "params": model.count_params(),
             "version": f"tensorflow {tf.__version__}, keras {keras.__version__}"
                        + ("" if args.framework == "ours" else f", keras-hub {__import__('keras_hub').__version__}")}
 

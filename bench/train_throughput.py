@@ -28,6 +28,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def timed_fit(model, ds, warmup: int, steps: int) -> list:
+    """`model.fit` for `warmup` + `steps` steps; the seconds of each of the last `steps`.
+
+    The loss is read back at the end of every step, so steps do not overlap.
+    """
+    import keras
+
+    times = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, step, logs=None):
+            float(logs["loss"])  # wait for the step to finish
+            times.append(time.perf_counter() - self.t0)
+
+    model.fit(ds, epochs=1, steps_per_epoch=warmup + steps, verbose=0, callbacks=[Timer()])
+    return times[warmup:]
+
+
 def worker(args) -> dict:
     sys.path.insert(0, str(REPO))
     from training.distribute import split_cpu
@@ -54,18 +75,7 @@ def worker(args) -> dict:
     tgt = rng.integers(4, args.vocab_size, size=(batch, args.length + 1), dtype=np.int32)
     ds = tf.data.Dataset.from_tensors(((src, tgt[:, :-1]), tgt[:, 1:])).repeat()
 
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, step, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, step, logs=None):
-            float(logs["loss"])  # wait for the step to finish
-            times.append(time.perf_counter() - self.t0)
-
-    model.fit(ds, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[Timer()])
-    timed = times[args.warmup:]
+    timed = timed_fit(model, ds, args.warmup, args.steps)
     median = statistics.median(timed)
     target_tokens = batch * args.length
     return {
