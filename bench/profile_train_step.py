@@ -62,7 +62,7 @@ CATEGORIES = [
     ("optimizer (Adam)", None, r"(^|/)(adam|Adam|optimizer|SGD|update_step)[^/]*/"),
     ("metric (argmax, accuracy)", None, r"ArgMax|masked_accuracy|compile_metrics"
                                         r"|^(StatefulPartitionedCall/)?(Max|GatherV2|GreaterEqual|Equal|LogicalAnd)(_\d+)?$"),
-    ("loss (log_softmax, gather)", None, r"compile_loss|crossentropy|LogSoftmax"),
+    ("loss (log_softmax, gather)", None, r"compile_loss|crossentropy|cross_entropy|LogSoftmax"),
     ("output projection: matmul", MATMUL_TYPES, TOP + r"(MatMul|embedding[^/]*/(MatMul|Tensordot|transpose)|logits)"),
     ("output projection: broadcast-grad Sum", r"Sum", TOP + r"MatMul"),
     ("output projection: other", None, TOP + r"(MatMul|Cast(_\d+)?$|embedding[^/]*/(Tensordot|transpose|Cast)|logits)"),
