@@ -14,9 +14,15 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  (paper equation 1).
     In the paper d_k = d_v = d_model / h, so pass `key_dim=d_model // num_heads`.
 
-    Without `cache` the layer is exactly `keras.layers.MultiHeadAttention`:
-    same arguments, same weights, and the Keras masks (`query_mask`,
-    `value_mask`, `key_mask`, `use_causal_mask`) work as usual.
+    Without `cache` the layer computes exactly what
+    `keras.layers.MultiHeadAttention` computes: same arguments, same weights,
+    and the Keras masks (`query_mask`, `value_mask`, `key_mask`,
+    `use_causal_mask`) work as usual. It computes it faster in training: the
+    projections are plain 2-D matrix multiplications (Q, K and V fused into one
+    in self-attention), where Keras' `EinsumDense` broadcasts the kernel over
+    the batch and sums its gradient back per sentence. Options this does not
+    cover (`use_gate`, `sliding_window`, other `attention_axes`, quantized
+    kernels) run Keras' own code.
 
     With `cache` it runs one decoding step and reuses earlier work. The cache is
     a pair `(keys, values)` of projected heads, each
@@ -61,8 +67,9 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
         Returns `(keys, values)`, each `[batch, length, num_heads, key_dim]`.
         """
-        key = value if key is None else key
-        return self._key_dense(_without_keras_mask(key)), self._value_dense(_without_keras_mask(value))
+        if key is None:
+            return tuple(_project_fused(value, [self._key_dense, self._value_dense]))
+        return _project(key, self._key_dense), _project(value, self._value_dense)
 
     def call(
         self,
@@ -79,7 +86,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         cache=None,
         cache_update_index=None,
     ):
-        if cache is None:
+        if not self._is_plain():
+            if cache is not None:
+                raise ValueError(
+                    "The key/value cache supports plain multi-head attention only, not use_gate, "
+                    "sliding_window, attention_axes other than the sequence axis, or quantized kernels."
+                )
             return super().call(
                 query,
                 value,
@@ -93,14 +105,25 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 use_causal_mask=use_causal_mask,
             )
 
-        # Masks play no part here; dropping them keeps the projections quiet.
-        query_heads = self._query_dense(_without_keras_mask(query))
-        key_heads, value_heads = cache
-        if cache_update_index is not None:
-            key = _without_keras_mask(value if key is None else key)
-            value = _without_keras_mask(value)
-            key_heads = _write_at(key_heads, cache_update_index, self._key_dense(key))
-            value_heads = _write_at(value_heads, cache_update_index, self._value_dense(value))
+        key = value if key is None else key
+        if cache is None:
+            attention_mask = self._compute_attention_mask(
+                query,
+                value,
+                query_mask=query_mask,
+                value_mask=value_mask,
+                key_mask=key_mask,
+                attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask,
+            )
+            query_heads, key_heads, value_heads = self._project_heads(query, value, key)
+        elif cache_update_index is None:  # cross-attention: keys and values were projected once
+            query_heads = _project(query, self._query_dense)
+            key_heads, value_heads = cache
+        else:  # self-attention: write this step's keys and values into the cache
+            query_heads, new_keys, new_values = self._project_heads(query, value, key)
+            key_heads = _write_at(cache[0], cache_update_index, new_keys)
+            value_heads = _write_at(cache[1], cache_update_index, new_values)
             cache = (key_heads, value_heads)
             causal = _cached_causal_mask(
                 query_length=tf.shape(query)[1],
@@ -113,18 +136,109 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
             )
 
-        output, scores = self._compute_attention(
-            query_heads,
-            key_heads,
-            value_heads,
-            attention_mask,
-            training,
-            return_attention_scores,
+        output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
+        output = _project_output(output, self._output_dense)
+        outputs = (output, scores) if return_attention_scores else (output,)
+        if cache is not None:
+            outputs += (cache,)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _project_heads(self, query, value, key):
+        """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input."""
+        if query is value and key is value:
+            return _project_fused(query, [self._query_dense, self._key_dense, self._value_dense])
+        query_heads = _project(query, self._query_dense)
+        if key is value:
+            return (query_heads, *_project_fused(value, [self._key_dense, self._value_dense]))
+        return query_heads, _project(key, self._key_dense), _project(value, self._value_dense)
+
+    def _compute_attention(
+        self, query, key, value, attention_mask=None, training=None, return_attention_scores=False, **kwargs
+    ):
+        """softmax(Q K^T / sqrt(d_k)) V (paper equation 1) on heads `[batch, length, num_heads, dim]`.
+
+        Returns the output `[batch, query_len, num_heads, value_dim]` and the
+        weights `[batch, num_heads, query_len, key_len]`. Batched matrix
+        multiplications over `[batch, num_heads]`; `attention_mask`
+        `[batch or 1, query_len, key_len]` is True where attention is allowed.
+        """
+        if not self._is_plain():
+            return super()._compute_attention(
+                query, key, value, attention_mask, training, return_attention_scores, **kwargs
+            )
+        query = tf.transpose(query, [0, 2, 1, 3]) * tf.cast(self._inverse_sqrt_key_dim, query.dtype)
+        key = tf.transpose(key, [0, 2, 1, 3])
+        value = tf.transpose(value, [0, 2, 1, 3])
+        scores = tf.matmul(query, key, transpose_b=True)
+        if attention_mask is None:
+            scores = tf.nn.softmax(scores)
+        else:
+            # As Keras' Softmax does: -1e9 before, and exact zeros after, so that
+            # a row with nothing to attend to gets zero weights, not uniform ones.
+            mask = tf.cast(attention_mask, tf.bool)[:, None]
+            scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
+            scores = tf.where(mask, scores, tf.zeros_like(scores))
+        weights = self._dropout_layer(scores, training=training) if self._dropout > 0.0 else scores
+        output = tf.transpose(tf.matmul(weights, value), [0, 2, 1, 3])
+        return output, scores
+
+    def _is_plain(self):
+        """True when the layer uses no option beyond the paper's attention (see the class docstring)."""
+        return (
+            not getattr(self, "_use_gate", False)  # gate and sliding window are newer than keras 3.12
+            and getattr(self, "_sliding_window", None) is None
+            and tuple(self._attention_axes) == (1,)
+            and all(
+                dense.quantization_mode is None
+                for dense in (self._query_dense, self._key_dense, self._value_dense, self._output_dense)
+            )
         )
-        output = self._output_dense(output)
-        if return_attention_scores:
-            return output, scores, cache
-        return output, cache
+
+
+def _project(x, dense):
+    """`x` `[batch, length, dim]` through a head projection `dense` as one 2-D matmul: `[batch, length, heads, head_dim]`."""
+    (heads,) = _project_fused(x, [dense])
+    return heads
+
+
+def _project_fused(x, denses):
+    """`x` through several head projections at once: one matmul with their kernels side by side.
+
+    Each `dense` is an `EinsumDense` "abc,cde->abde" with kernel
+    `[dim, heads, head_dim]` and bias `[heads, head_dim]`; returns one
+    `[batch, length, heads, head_dim]` per dense.
+    """
+    dtype = denses[0].compute_dtype
+    x = tf.cast(x, dtype)
+    dim = x.shape[-1]
+    kernels = [tf.reshape(_weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
+    y = tf.matmul(tf.reshape(x, [-1, dim]), kernels[0] if len(kernels) == 1 else tf.concat(kernels, axis=1))
+    if denses[0].bias is not None:
+        biases = [tf.reshape(_weight(dense.bias, dtype), [-1]) for dense in denses]
+        y = tf.nn.bias_add(y, biases[0] if len(biases) == 1 else tf.concat(biases, axis=0))
+    outputs = tf.split(y, [kernel.shape[1] for kernel in kernels], axis=1) if len(kernels) > 1 else [y]
+    batch_and_length = tf.shape(x)[:2]
+    return [
+        tf.reshape(out, tf.concat([batch_and_length, dense.kernel.shape[1:]], axis=0))
+        for out, dense in zip(outputs, denses)
+    ]
+
+
+def _project_output(heads, dense):
+    """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
+    num_heads, head_dim, dim = dense.kernel.shape
+    y = tf.matmul(
+        tf.reshape(tf.cast(heads, dense.compute_dtype), [-1, num_heads * head_dim]),
+        tf.reshape(_weight(dense.kernel, dense.compute_dtype), [num_heads * head_dim, dim]),
+    )
+    if dense.bias is not None:
+        y = tf.nn.bias_add(y, _weight(dense.bias, dense.compute_dtype))
+    return tf.reshape(y, tf.concat([tf.shape(heads)[:2], [dim]], axis=0))
+
+
+def _weight(variable, dtype):
+    """A Keras variable's value in the compute dtype (bfloat16 under mixed precision)."""
+    return tf.cast(keras.ops.convert_to_tensor(variable), dtype)
 
 
 def _write_at(heads, index, update):
@@ -150,11 +264,6 @@ def _write_at(heads, index, update):
 def _in_xla_context():
     """True while tracing inside `tf.function(jit_compile=True)` (TensorFlow has no public test for it)."""
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _without_keras_mask(x):
-    """The same values with no Keras mask attached (a new tensor)."""
-    return tf.identity(x) if getattr(x, "_keras_mask", None) is not None else x
 
 
 def _cached_causal_mask(query_length, cache_length, start):

@@ -1,0 +1,108 @@
+"""Our MultiHeadAttention computes what keras.layers.MultiHeadAttention computes, from the same weights.
+
+Ours projects with 2-D matmuls and 4-D batched matmuls (faster to train); Keras'
+layer is the reference implementation of paper equation 1 and the MultiHead
+formula, so outputs, attention weights and gradients must agree.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+
+
+def _twins(num_heads=4, key_dim=8, dtype=None, **kwargs):
+    ours = kt.MultiHeadAttention(num_heads, key_dim, dtype=dtype, **kwargs)
+    reference = keras.layers.MultiHeadAttention(num_heads, key_dim, dtype=dtype, **kwargs)
+    return ours, reference
+
+
+def _same_weights(ours, reference, query, value):
+    ours(query, value)
+    reference(query, value)
+    rng = np.random.default_rng(0)
+    # Random biases too, so that a bias added in the wrong place shows.
+    weights = [rng.normal(size=w.shape).astype("float32") * 0.3 for w in ours.get_weights()]
+    ours.set_weights(weights)
+    reference.set_weights(weights)
+
+
+@pytest.fixture
+def inputs():
+    rng = np.random.default_rng(1)
+    query = tf.constant(rng.normal(size=(3, 5, 16)).astype("float32"))
+    memory = tf.constant(rng.normal(size=(3, 7, 16)).astype("float32"))
+    memory_mask = tf.constant(np.arange(7)[None, :] < np.array([[7], [4], [2]]))
+    return query, memory, memory_mask
+
+
+@pytest.mark.parametrize(
+    "case", ["self", "self_causal", "cross_masked", "cross_separate_key", "keras_masks"]
+)
+def test_outputs_and_weights_equal_keras(inputs, case):
+    query, memory, memory_mask = inputs
+    ours, reference = _twins()
+    value = query if case.startswith("self") else memory
+    _same_weights(ours, reference, query, value)
+    kwargs = {"return_attention_scores": True}
+    if case == "self_causal":
+        kwargs["use_causal_mask"] = True
+    if case == "cross_masked":
+        kwargs["attention_mask"] = memory_mask[:, None, :]
+    if case == "cross_separate_key":
+        kwargs["key"] = memory[:, :, ::-1]
+    if case == "keras_masks":  # as an Embedding(mask_zero=True) attaches them
+        embed = keras.layers.Embedding(10, 16, mask_zero=True)
+        query = embed(tf.constant([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0], [5, 4, 3, 2, 1]]))
+        value = embed(tf.where(memory_mask, 7, 0))
+    out, scores = ours(query, value, **kwargs)
+    ref_out, ref_scores = reference(query, value, **kwargs)
+    np.testing.assert_allclose(out.numpy(), ref_out.numpy(), atol=1e-5)
+    np.testing.assert_allclose(scores.numpy(), ref_scores.numpy(), atol=1e-6)
+
+
+def test_gradients_equal_keras(inputs):
+    query, memory, memory_mask = inputs
+    ours, reference = _twins()
+    _same_weights(ours, reference, query, memory)
+
+    def gradients(layer):
+        with tf.GradientTape() as tape:
+            tape.watch([query, memory])
+            out = layer(query, memory, attention_mask=memory_mask[:, None, :])
+            loss = tf.reduce_sum(out * tf.sin(out))
+        return tape.gradient(loss, [query, memory] + layer.trainable_variables)
+
+    for ours_grad, ref_grad in zip(gradients(ours), gradients(reference), strict=True):
+        np.testing.assert_allclose(ours_grad.numpy(), ref_grad.numpy(), atol=1e-4)
+
+
+def test_mixed_bfloat16_computes_in_bfloat16_like_keras(inputs):
+    query, memory, _ = inputs
+    ours, reference = _twins(dtype="mixed_bfloat16")
+    _same_weights(ours, reference, query, memory)
+    out, ref_out = ours(query, memory), reference(query, memory)
+    assert out.dtype == ref_out.dtype == tf.bfloat16
+    assert all(w.dtype == "float32" for w in ours.weights)
+    np.testing.assert_allclose(
+        out.numpy().astype("float32"), ref_out.numpy().astype("float32"), atol=0.1, rtol=0.05
+    )
+
+
+def test_attention_dropout_is_applied_in_training_only(inputs):
+    query, _, _ = inputs
+    layer = kt.MultiHeadAttention(4, 8, dropout=0.5, seed=0)
+    inference = layer(query, query, training=False)
+    np.testing.assert_allclose(layer(query, query, training=False).numpy(), inference.numpy())
+    assert not np.allclose(layer(query, query, training=True).numpy(), inference.numpy())
+
+
+def test_options_beyond_the_paper_run_keras_code_and_refuse_the_cache(inputs):
+    query, _, _ = inputs
+    ours, reference = _twins(use_gate=True)
+    _same_weights(ours, reference, query, query)
+    np.testing.assert_allclose(ours(query, query).numpy(), reference(query, query).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="cache supports plain multi-head attention only"):
+        ours(query[:, :1], query[:, :1], cache=ours.empty_cache(3, 5), cache_update_index=0)
