@@ -73,12 +73,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from train_throughput import run_worker  # noqa: E402  (bench/, beside this file)
 FRAMEWORKS = ["ours", "keras-hub", "torch"]
 # Copied from keras_transformer/model.py PRESETS (not imported: the parent process
 # must not initialize TensorFlow).
@@ -150,30 +151,41 @@ def keras_hub_model(c, vocab_size):
     return keras.Model((source, target), logits)
 
 
+def build_compiled(framework, preset, precision, vocab_size):
+    """Ours or the keras-hub model at `preset`, compiled alike (loss, metric, paper Adam), under one-CPU MirroredStrategy.
+
+    Sets the global mixed-precision policy for `precision` ("fp32" or "bf16").
+    """
+    sys.path.insert(0, str(REPO))
+    import keras
+    import tensorflow as tf
+
+    import keras_transformer as kt
+    from keras_transformer.model import PRESETS as KT_PRESETS
+    from training.train import DEFAULTS, build_and_compile, compile_model
+
+    assert KT_PRESETS[preset] == PRESETS[preset], "PRESETS here differ from keras_transformer/model.py"
+    keras.mixed_precision.set_global_policy("mixed_bfloat16" if precision == "bf16" else "float32")
+    cfg = dict(DEFAULTS, preset=preset, model={})
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        if framework == "ours":
+            return build_and_compile(cfg, vocab_size)
+        c = PRESETS[preset]
+        model = keras_hub_model(c, vocab_size)
+        compile_model(model, cfg, optimizer=kt.paper_adam(c["d_model"], warmup_steps=WARMUP_STEPS))
+        return model
+
+
 def keras_worker(args) -> dict:
     """ours or keras-hub, trained with model.fit."""
-    sys.path.insert(0, str(REPO))
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     import keras
 
-    import keras_transformer as kt
-    from keras_transformer.model import PRESETS as KT_PRESETS
-    from training.train import DEFAULTS, build_and_compile, compile_model
-    from train_throughput import timed_fit  # bench/, beside this file
+    from train_throughput import timed_fit
 
-    assert KT_PRESETS[args.preset] == PRESETS[args.preset], "PRESETS here differ from keras_transformer/model.py"
-    keras.mixed_precision.set_global_policy("mixed_bfloat16" if args.precision == "bf16" else "float32")
-    cfg = dict(DEFAULTS, preset=args.preset, model={})
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
-    with strategy.scope():
-        if args.framework == "ours":
-            model = build_and_compile(cfg, args.vocab_size)
-        else:
-            c = PRESETS[args.preset]
-            model = keras_hub_model(c, args.vocab_size)
-            compile_model(model, cfg, optimizer=kt.paper_adam(c["d_model"], warmup_steps=WARMUP_STEPS))
+    model = build_compiled(args.framework, args.preset, args.precision, args.vocab_size)
     src, tgt_in, tgt_out = synthetic_batch(args)
     ds = tf.data.Dataset.from_tensors(((src, tgt_in), tgt_out)).repeat()
 
@@ -275,17 +287,6 @@ def matmul_worker(args) -> list:
 
 
 # ---------------------------------------------------------------- driver
-
-
-def run_worker(cmd, env, label):
-    """Runs one configuration; its RESULT line as a dict, or None (error printed)."""
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        print(f"{label}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
-        return None, time.time() - t0
-    return json.loads(lines[-1][len("RESULT "):]), time.time() - t0
 
 
 def main(argv=None) -> int:

@@ -39,7 +39,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from train_throughput import run_worker  # noqa: E402
 
 # (category, op-type regex or None, op-name regex or None); the first rule whose
 # given patterns all match (type: fullmatch, name: search) wins. Names are the
@@ -162,19 +162,7 @@ def worker(args) -> dict:
     import keras
     import peers_throughput as peers
 
-    import keras_transformer as kt
-    from training.train import DEFAULTS, build_and_compile, compile_model
-
-    keras.mixed_precision.set_global_policy("mixed_bfloat16" if args.precision == "bf16" else "float32")
-    cfg = dict(DEFAULTS, preset=args.preset, model={})
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
-    with strategy.scope():
-        if args.framework == "ours":
-            model = build_and_compile(cfg, args.vocab_size)
-        else:
-            c = peers.PRESETS[args.preset]
-            model = peers.keras_hub_model(c, args.vocab_size)
-            compile_model(model, cfg, optimizer=kt.paper_adam(c["d_model"], warmup_steps=peers.WARMUP_STEPS))
+    model = peers.build_compiled(args.framework, args.preset, args.precision, args.vocab_size)
     src, tgt_in, tgt_out = peers.synthetic_batch(args)
     ds = tf.data.Dataset.from_tensors(((src, tgt_in), tgt_out)).repeat()
 
@@ -288,16 +276,12 @@ def main(argv=None) -> int:
                            "--precision", precision, "--warmup", str(args.warmup), "--steps", str(args.steps),
                            "--tokens-per-batch", str(args.tokens_per_batch), "--length", str(args.length),
                            "--vocab-size", str(args.vocab_size), "--threads", str(args.threads)]
-                    t0 = time.time()
-                    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-                    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-                    if proc.returncode != 0 or not lines:
-                        print(f"{framework} {preset} {precision}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
+                    result, seconds = run_worker(cmd, env, f"{framework} {preset} {precision}")
+                    if result is None:
                         continue
-                    result = json.loads(lines[-1][len("RESULT "):])
                     result["framework"] += args.tag
                     results.append(result)
-                    print(f"[{framework} {preset} {precision}: {time.time() - t0:.0f}s]", file=sys.stderr, flush=True)
+                    print(f"[{framework} {preset} {precision}: {seconds:.0f}s]", file=sys.stderr, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results))
     shares = {}

@@ -28,6 +28,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_worker(cmd, env, label):
+    """Runs one configuration in its own process; `(its RESULT line as a dict or None, seconds)`.
+
+    On failure the worker's stderr is printed and the result is None.
+    """
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"{label}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None, time.time() - t0
+    return json.loads(lines[-1][len("RESULT "):]), time.time() - t0
+
+
 def timed_fit(model, ds, warmup: int, steps: int) -> list:
     """`model.fit` for `warmup` + `steps` steps; the seconds of each of the last `steps`.
 
@@ -122,14 +136,10 @@ def main(argv=None) -> int:
                        "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
                        "--tokens-per-batch", str(args.tokens_per_batch), "--length", str(args.length),
                        "--vocab-size", str(args.vocab_size)]
-                t0 = time.time()
-                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    print(f"{preset} {precision} x{replicas}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
+                r, seconds = run_worker(cmd, env, f"{preset} {precision} x{replicas}")
+                if r is None:
                     continue
-                r = json.loads(lines[-1][len("RESULT "):])
-                r["wall_s"] = round(time.time() - t0, 1)
+                r["wall_s"] = round(seconds, 1)
                 results.append(r)
                 print(f"{preset:5s} {r['precision']:14s} replicas={replicas}  {r['target_tokens_per_s']:9.1f} "
                       f"target tok/s  (median step {r['median_step_s']:.3f}s, batch {r['batch']}, "
