@@ -17,7 +17,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     Without `cache` the layer computes exactly what
     `keras.layers.MultiHeadAttention` computes: same arguments, same weights,
     and the Keras masks (`query_mask`, `value_mask`, `key_mask`,
-    `use_causal_mask`) work as usual. It computes it faster in training: the
+    `use_causal_mask`) work as usual (an explicit `query_mask` is honoured too;
+    Keras' layer reads only the Keras mask of `query`). It computes it faster in training: the
     projections are plain 2-D matrix multiplications (Q, K and V fused into one
     in self-attention), where Keras' `EinsumDense` broadcasts the kernel over
     the batch and sums its gradient back per sentence. Options this does not
