@@ -106,3 +106,14 @@ def test_options_beyond_the_paper_run_keras_code_and_refuse_the_cache(inputs):
     np.testing.assert_allclose(ours(query, query).numpy(), reference(query, query).numpy(), atol=1e-5)
     with pytest.raises(ValueError, match="cache supports plain multi-head attention only"):
         ours(query[:, :1], query[:, :1], cache=ours.empty_cache(3, 5), cache_update_index=0)
+
+
+def test_explicit_query_mask_gives_masked_queries_no_attention(inputs):
+    query, memory, memory_mask = inputs
+    query_mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [False] + [True] * 4])
+    _, scores = kt.MultiHeadAttention(4, 8)(
+        query, memory, query_mask=query_mask, value_mask=memory_mask, return_attention_scores=True
+    )
+    weight_per_query = tf.reduce_sum(scores, axis=-1).numpy()  # [batch, heads, query_len]
+    expected = np.broadcast_to(query_mask.numpy()[:, None, :], weight_per_query.shape).astype("float32")
+    np.testing.assert_allclose(weight_per_query, expected, atol=1e-6)
