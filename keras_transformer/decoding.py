@@ -83,6 +83,11 @@ def _write_column(tokens, t, column):
     return tf.where(tf.range(tf.shape(tokens)[-1]) == t, column[..., None], tokens)
 
 
+def _first(n, size):
+    """bool `[size]`, True at the first `n` positions."""
+    return tf.range(size) < n
+
+
 def _while_loop(cond, body, state):
     """`tf.while_loop` over (step, per-sentence tensors and caches...) with a free batch size.
 
@@ -222,12 +227,16 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         ends = tf.equal(top_token, end_id)
 
         # Finish the ending candidates among the best k, and a greedy hypothesis that ends.
-        newly_finished = ends[:, :k] & ~beam_done[:, None] & (top_log_prob[:, :k] > _NEG / 2)
-        new_scores = tf.where(newly_finished, top_log_prob[:, :k] / penalty, _NEG)
+        # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
+        # runs a top_k as its fast TopK kernel only if no slice is taken of the result
+        # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
+        # The k extra candidates score _NEG after the finished ones, so no choice changes.
+        newly_finished = ends & _first(k, 2 * k) & ~beam_done[:, None] & (top_log_prob > _NEG / 2)
+        new_scores = tf.where(newly_finished, top_log_prob / penalty, _NEG)
         greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
         finished_scores, best = tf.math.top_k(tf.concat([finished_scores, new_scores, greedy_score[:, None]], 1), k)
         finished_tokens = tf.gather(
-            tf.concat([finished_tokens, top_tokens[:, :k], greedy_tokens[:, None]], 1), best, batch_dims=1
+            tf.concat([finished_tokens, top_tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
         )
         num_finished += tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
         beam_done = beam_done | (num_finished >= k) | (t + 1 >= limits)
