@@ -81,3 +81,24 @@ def test_time_budget_stops_after_a_whole_epoch(tmp_path):
     # A generous budget changes nothing.
     summary = train(resolve_config(common + ["--model-dir", str(tmp_path / "long"), "--max-minutes", "60"]))
     assert summary["epochs_run"] == [1, 2, 3] and not summary["stopped_by_time_budget"]
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
+    import warnings
+
+    from training.train import train
+
+    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
+    for lang, p in (("en", src), ("de", tgt)):
+        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
+                          "--tokens-per-batch", "600", "--epochs", "2", "--warmup-steps", "10", "--no-validation",
+                          "--verbose", "0", "--model-dir", str(tmp_path / "run")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = train(cfg)
+    # Bucketed batches have no known count: Keras learns it by running out of data in epoch 1.
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
+    assert summary["epochs_run"] == [1, 2]
+    assert summary["optimizer_steps"] % 2 == 0 and summary["optimizer_steps"] >= 4

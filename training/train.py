@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 log = logging.getLogger("training.train")
@@ -472,9 +473,13 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         budget = TimeBudget.make(cfg["max_minutes"])
         callbacks.append(budget)
     t0 = time.time()
-    # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
-    history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
-                        callbacks=callbacks, verbose=cfg["verbose"], shuffle=False)
+    with warnings.catch_warnings():
+        # Bucketed batches have no length known in advance, so Keras learns the epoch's
+        # length by running out of data once, and warns as if that were a mistake.
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
+        history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
+                            callbacks=callbacks, verbose=cfg["verbose"], shuffle=False)
     elapsed = time.time() - t0
     summary = {
         "epochs_run": [e + 1 for e in history.epoch],
