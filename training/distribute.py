@@ -1,5 +1,5 @@
-"""tf.distribute setup: MirroredStrategy over GPUs or N logical CPU devices,
-MultiWorkerMirroredStrategy when TF_CONFIG is set.
+"""tf.distribute setup: the default strategy on one device, MirroredStrategy over
+GPUs or N logical CPU devices, MultiWorkerMirroredStrategy when TF_CONFIG is set.
 
 Call `make_strategy` before anything else touches TensorFlow devices:
 logical devices can only be configured before TF initializes them.
@@ -60,8 +60,9 @@ def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
     """The distribution strategy for this process.
 
     - TF_CONFIG set: `MultiWorkerMirroredStrategy` (one replica per worker unless GPUs).
-    - GPUs visible: `MirroredStrategy` over all of them.
-    - CPU only: `MirroredStrategy` over `cpu_replicas` logical CPU devices.
+    - One device (one GPU or none, `cpu_replicas` 1): TensorFlow's default strategy.
+    - More GPUs: `MirroredStrategy` over all of them.
+    - CPU only, `cpu_replicas > 1`: `MirroredStrategy` over that many logical CPU devices.
     - `grad_accum > 1`: TensorFlow's default strategy on one device (Keras bug, see
       GRAD_ACCUM_UNSUPPORTED); more replicas raise ValueError.
     """
@@ -82,6 +83,13 @@ def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         log.info("MultiWorkerMirroredStrategy: %d replicas in sync", strategy.num_replicas_in_sync)
         return strategy
+    # physical, not logical: listing logical devices would initialize them before split_cpu
+    if cpu_replicas <= 1 and len(tf.config.list_physical_devices("GPU")) <= 1:
+        # One device: MirroredStrategy would add nothing but its MultiDeviceIterator,
+        # whose deletion (Keras drops an iterator every epoch and every validation)
+        # waits for a tf.data autotuning thread's next wake-up, up to a minute.
+        log.info("One device: TensorFlow's default strategy")
+        return tf.distribute.get_strategy()
     if cpu_replicas > 1:
         split_cpu(cpu_replicas)
     gpus = tf.config.list_logical_devices("GPU")
