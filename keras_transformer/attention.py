@@ -68,9 +68,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
         Returns `(keys, values)`, each `[batch, length, num_heads, key_dim]`.
         """
-        if key is None:
-            return tuple(_project_fused(value, [self._key_dense, self._value_dense]))
-        return _project(key, self._key_dense), _project(value, self._value_dense)
+        return self._project_keys_values(value, value if key is None else key)
 
     def call(
         self,
@@ -148,10 +146,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input."""
         if query is value and key is value:
             return _project_fused(query, [self._query_dense, self._key_dense, self._value_dense])
-        query_heads = _project(query, self._query_dense)
+        return (_project(query, self._query_dense), *self._project_keys_values(value, key))
+
+    def _project_keys_values(self, value, key):
+        """K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul when `key is value`."""
         if key is value:
-            return (query_heads, *_project_fused(value, [self._key_dense, self._value_dense]))
-        return query_heads, _project(key, self._key_dense), _project(value, self._value_dense)
+            return tuple(_project_fused(value, [self._key_dense, self._value_dense]))
+        return _project(key, self._key_dense), _project(value, self._value_dense)
 
     def _compute_attention(
         self, query, key, value, attention_mask=None, training=None, return_attention_scores=False, **kwargs
