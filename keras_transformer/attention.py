@@ -4,6 +4,8 @@ import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from keras_transformer.masking import causal_mask
+
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MultiHeadAttention(keras.layers.MultiHeadAttention):
@@ -32,12 +34,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     copying the whole cache several times):
 
     - Self-attention: start from `empty_cache(batch, max_length)` and pass
-      `cache_update_index=t`. The projected key/value of the new query
-      positions are written at `t`, and the query at `t + i` attends to cache
-      positions `<= t + i` (causal). The shape stays fixed, so the loop that
+      `cache_index=t`. The projected key/value of the new query positions
+      are written at `t`, and the query at `t + i` attends to cache positions
+      `<= t + i` (causal). The shape stays fixed, so the loop that
       calls it compiles once (XLA, `tf.while_loop`).
     - Cross-attention: build the cache once with `compute_cache(encoder_output)`
-      and pass it with `cache_update_index=None`; keys and values are then
+      and pass it with `cache_index=None`; keys and values are then
       never projected again.
 
     In cached mode the call returns `(output, cache)` (or
@@ -53,8 +55,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     y = mha(x, x, use_causal_mask=True)           # full pass, [b, t, 512]
     cache = mha.empty_cache(batch_size=b, max_length=t)
     for i in range(t):                             # the same, one step at a time
-        y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache,
-                         cache_update_index=i)
+        y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i)
     ```
     """
 
@@ -70,39 +71,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         """
         return self._project_keys_values(value, value if key is None else key)
 
-    def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        cache=None,
-        cache_update_index=None,
-    ):
+    def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
+             return_attention_scores=False, training=None, use_causal_mask=False, cache=None, cache_index=None):
         if not self._is_plain():
             if cache is not None:
                 raise ValueError(
                     "The key/value cache supports plain multi-head attention only, not use_gate, "
                     "sliding_window, attention_axes other than the sequence axis, or quantized kernels."
                 )
-            return super().call(
-                query,
-                value,
-                key=key,
-                query_mask=query_mask,
-                value_mask=value_mask,
-                key_mask=key_mask,
-                attention_mask=attention_mask,
-                return_attention_scores=return_attention_scores,
-                training=training,
-                use_causal_mask=use_causal_mask,
-            )
+            return super().call(query, value, key=key, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                                attention_mask=attention_mask, return_attention_scores=return_attention_scores,
+                                training=training, use_causal_mask=use_causal_mask)
 
         key = value if key is None else key
         if cache is None:
@@ -116,19 +95,15 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 use_causal_mask=use_causal_mask,
             )
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
-        elif cache_update_index is None:  # cross-attention: keys and values were projected once
+        elif cache_index is None:  # cross-attention: keys and values were projected once
             query_heads = _project(query, self._query_dense)
             key_heads, value_heads = cache
         else:  # self-attention: write this step's keys and values into the cache
             query_heads, new_keys, new_values = self._project_heads(query, value, key)
-            key_heads = _write_at(cache[0], cache_update_index, new_keys)
-            value_heads = _write_at(cache[1], cache_update_index, new_values)
+            key_heads = _write_at(cache[0], cache_index, new_keys)
+            value_heads = _write_at(cache[1], cache_index, new_values)
             cache = (key_heads, value_heads)
-            causal = _cached_causal_mask(
-                query_length=tf.shape(query)[1],
-                cache_length=tf.shape(key_heads)[1],
-                start=cache_update_index,
-            )
+            causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[1], start=cache_index)
             attention_mask = (
                 causal
                 if attention_mask is None
@@ -268,13 +243,6 @@ def _in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-def _cached_causal_mask(query_length, cache_length, start):
-    """`[1, query_length, cache_length]`: query `start + i` sees cache slots `<= start + i`."""
-    query_positions = start + tf.range(query_length)[:, None]
-    key_positions = tf.range(cache_length)[None, :]
-    return (key_positions <= query_positions)[None]
-
-
 def head_size(d_model, num_heads):
     """d_k = d_model / h (paper section 3.2.2); a clear error when it does not divide."""
     if d_model % num_heads:
@@ -283,3 +251,8 @@ def head_size(d_model, num_heads):
             f"got d_model={d_model} and num_heads={num_heads}."
         )
     return d_model // num_heads
+
+
+def attention_spec(layer, query, key):
+    """Symbolic attention weights `[batch, num_heads, query_len, key_len]` (functional API, `keras.Input`)."""
+    return keras.KerasTensor((query.shape[0], layer.num_heads, query.shape[1], key.shape[1]), dtype=layer.compute_dtype)

@@ -3,30 +3,21 @@
 import keras
 import tensorflow as tf
 
-from keras_transformer.attention import MultiHeadAttention, head_size
-from keras_transformer.encoder import LAYER_NORM_EPSILON, attention_spec, keras_mask
+from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
 from keras_transformer.feed_forward import FeedForward
-from keras_transformer.residual import residual
-
-
-def causal_mask(length):
-    """`[1, length, length]` bool: position i attends to positions <= i only."""
-    positions = tf.range(length)
-    return (positions[None, :] <= positions[:, None])[None]
+from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
+from keras_transformer.masking import causal_mask, keras_mask
+from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class DecoderLayer(keras.layers.Layer):
+class DecoderLayer(TransformerLayerBase):
     """Masked self-attention, cross-attention over the encoder output, feed-forward.
 
     Each sub-layer sits in a residual block (dropout, add, LayerNorm).
 
     Args:
-        d_model: model width.
-        num_heads: attention heads h; d_model must be divisible by it.
-        d_ff: feed-forward inner width.
-        dropout: residual dropout rate (P_drop).
-        norm_first: pre-norm instead of the paper's post-norm.
+        d_model, num_heads, d_ff, dropout, norm_first: as in `EncoderLayer`.
 
     Shapes (full pass):
         call(x `[batch, target_len, d_model]`,
@@ -59,27 +50,15 @@ class DecoderLayer(keras.layers.Layer):
     """
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
-        super().__init__(**kwargs)
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.d_ff = d_ff
-        self.dropout = dropout
-        self.norm_first = norm_first
+        super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         key_dim = head_size(d_model, num_heads)
         self.self_attention = MultiHeadAttention(num_heads, key_dim, dtype=self.dtype_policy, name="self_attention")
-        self.self_attention_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="self_attention_norm"
-        )
+        self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         self.cross_attention = MultiHeadAttention(num_heads, key_dim, dtype=self.dtype_policy, name="cross_attention")
-        self.cross_attention_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="cross_attention_norm"
-        )
+        self.cross_attention_norm = layer_norm(self.dtype_policy, "cross_attention_norm")
         self.feed_forward = FeedForward(d_model, d_ff, dtype=self.dtype_policy, name="feed_forward")
-        self.feed_forward_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="feed_forward_norm"
-        )
+        self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
-        self.supports_masking = True
 
     def build(self, x_shape, encoder_output_shape=None):
         encoder_output_shape = encoder_output_shape or x_shape
@@ -91,18 +70,8 @@ class DecoderLayer(keras.layers.Layer):
         self.feed_forward_norm.build(x_shape)
         self.built = True
 
-    def call(
-        self,
-        x,
-        encoder_output,
-        encoder_padding_mask=None,
-        decoder_padding_mask=None,
-        self_attention_cache=None,
-        cache_index=None,
-        cross_attention_cache=None,
-        training=None,
-        return_attention_scores=False,
-    ):
+    def call(self, x, encoder_output, encoder_padding_mask=None, decoder_padding_mask=None, self_attention_cache=None,
+             cache_index=None, cross_attention_cache=None, training=None, return_attention_scores=False):
         if return_attention_scores and self_attention_cache is not None:
             raise ValueError(
                 "DecoderLayer returns attention scores for a full pass only; "
@@ -111,57 +80,59 @@ class DecoderLayer(keras.layers.Layer):
         if encoder_padding_mask is None:
             encoder_padding_mask = keras_mask(encoder_output)
         cross_mask = None if encoder_padding_mask is None else encoder_padding_mask[:, None, :]
-        updated_cache = []
-        # The residual block takes a tensor -> tensor sub-layer, so the weights leave by this dict.
-        scores = {}
+        self_mask = None  # with the cache, the causal rule is the cache's; earlier steps are never padding
+        if self_attention_cache is None:
+            self_mask = causal_mask(tf.shape(x)[1])
+            if decoder_padding_mask is None:
+                decoder_padding_mask = keras_mask(x)
+            if decoder_padding_mask is not None:
+                self_mask = tf.logical_and(self_mask, decoder_padding_mask[:, None, :])
 
-        def self_attention(h):
-            if self_attention_cache is not None:
-                # The cache applies the causal rule; earlier steps are never padding.
-                out, cache = self.self_attention(
-                    h, h, cache=self_attention_cache, cache_update_index=cache_index, training=training
-                )
-                updated_cache.append(cache)
-                return out
-            mask = causal_mask(tf.shape(h)[1])
-            padding = decoder_padding_mask if decoder_padding_mask is not None else keras_mask(x)
-            if padding is not None:
-                mask = tf.logical_and(mask, padding[:, None, :])
-            out = self.self_attention(
-                h, h, attention_mask=mask, return_attention_scores=return_attention_scores, training=training
-            )
-            if return_attention_scores:
-                out, scores["self_attention"] = out
-            return out
+        x, self_attention_scores, self_attention_cache = self._attention_block(
+            self.self_attention, self.self_attention_norm, x, memory=None, mask=self_mask, training=training,
+            return_attention_scores=return_attention_scores, cache=self_attention_cache, cache_index=cache_index,
+        )
+        x, cross_attention_scores, _ = self._attention_block(
+            self.cross_attention, self.cross_attention_norm, x, memory=encoder_output, mask=cross_mask,
+            training=training, return_attention_scores=return_attention_scores, cache=cross_attention_cache,
+        )
 
-        def cross_attention(h):
-            if cross_attention_cache is not None:
-                out, _ = self.cross_attention(
-                    h, encoder_output, attention_mask=cross_mask, cache=cross_attention_cache, training=training
-                )
-                return out
-            out = self.cross_attention(
-                h,
-                encoder_output,
-                attention_mask=cross_mask,
-                return_attention_scores=return_attention_scores,
-                training=training,
-            )
-            if return_attention_scores:
-                out, scores["cross_attention"] = out
-            return out
-
-        x = residual(x, self_attention, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
-        x = residual(x, cross_attention, self.cross_attention_norm, self.dropout_layer, self.norm_first, training)
-        x = residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
+        residual = x
+        x = norm_before(x, self.feed_forward_norm, self.norm_first)
+        x = self.feed_forward(x)
+        x = add_and_norm_after(residual, x, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
         if self_attention_cache is not None:
-            return x, updated_cache[0]
+            return x, self_attention_cache
         if return_attention_scores:
-            return x, scores
+            return x, {"self_attention": self_attention_scores, "cross_attention": cross_attention_scores}
         return x
 
-    def compute_output_shape(self, x_shape, encoder_output_shape=None):
-        return x_shape
+    def _attention_block(
+        self, attention, norm, x, memory, mask, training, return_attention_scores, cache=None, cache_index=None
+    ):
+        """The residual block around `attention` from `x` over `memory` (None: over itself).
+
+        Returns `(x, scores or None, cache or None)`. `attention` returns its
+        output, `(output, scores)` or, given a `cache`, `(output, cache)`: the
+        updated self-attention cache, or the cross-attention cache unchanged.
+        """
+        residual = x
+        x = norm_before(x, norm, self.norm_first)
+        x = attention(
+            x,
+            x if memory is None else memory,  # the same tensor twice: Q, K and V in one matmul
+            attention_mask=mask,
+            return_attention_scores=return_attention_scores,
+            training=training,
+            cache=cache,
+            cache_index=cache_index,
+        )
+        if cache is not None:
+            (x, cache), scores = x, None
+        else:
+            x, scores = x if return_attention_scores else (x, None)
+        return add_and_norm_after(residual, x, norm, self.dropout_layer, self.norm_first, training), scores, cache
+
 
     def compute_output_spec(self, x, encoder_output, *args, return_attention_scores=False, **kwargs):
         # compute_output_shape knows one output; the weights are a second one.
@@ -173,19 +144,9 @@ class DecoderLayer(keras.layers.Layer):
             "cross_attention": attention_spec(self, x, encoder_output),
         }
 
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "dropout": self.dropout,
-            "norm_first": self.norm_first,
-        }
-
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class Decoder(keras.layers.Layer):
+class Decoder(TransformerStackBase):
     """N `DecoderLayer`s (plus a final LayerNorm when `norm_first`).
 
     Takes embedded target tokens and the encoder output; returns hidden states
@@ -220,30 +181,12 @@ class Decoder(keras.layers.Layer):
     """
 
     def __init__(self, num_layers, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
-        super().__init__(**kwargs)
-        self.num_layers = num_layers
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.d_ff = d_ff
-        self.dropout = dropout
-        self.norm_first = norm_first
-        self.decoder_layers = [
-            DecoderLayer(d_model, num_heads, d_ff, dropout, norm_first, dtype=self.dtype_policy, name=f"layer_{i}")
-            for i in range(num_layers)
-        ]
-        self.final_norm = (
-            keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="final_norm")
-            if norm_first
-            else None
-        )
-        self.supports_masking = True
+        super().__init__(num_layers, d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
+        self.decoder_layers = self._identical_layers(DecoderLayer)
+        self.final_norm = self._final_norm()
 
     def build(self, x_shape, encoder_output_shape=None):
-        for layer in self.decoder_layers:
-            layer.build(x_shape, encoder_output_shape)
-        if self.final_norm is not None:
-            self.final_norm.build(x_shape)
-        self.built = True
+        self._build_stack(self.decoder_layers, x_shape, encoder_output_shape)
 
     def empty_cache(self, batch_size, max_length):
         return [layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers]
@@ -251,18 +194,8 @@ class Decoder(keras.layers.Layer):
     def compute_cross_attention_cache(self, encoder_output):
         return [layer.cross_attention.compute_cache(encoder_output) for layer in self.decoder_layers]
 
-    def call(
-        self,
-        x,
-        encoder_output,
-        encoder_padding_mask=None,
-        decoder_padding_mask=None,
-        self_attention_cache=None,
-        cache_index=None,
-        cross_attention_cache=None,
-        training=None,
-        return_attention_scores=False,
-    ):
+    def call(self, x, encoder_output, encoder_padding_mask=None, decoder_padding_mask=None, self_attention_cache=None,
+             cache_index=None, cross_attention_cache=None, training=None, return_attention_scores=False):
         if encoder_padding_mask is None:
             encoder_padding_mask = keras_mask(encoder_output)
         if decoder_padding_mask is None:
@@ -303,8 +236,6 @@ class Decoder(keras.layers.Layer):
             return x, scores
         return x
 
-    def compute_output_shape(self, x_shape, encoder_output_shape=None):
-        return x_shape
 
     def compute_output_spec(self, x, encoder_output, *args, return_attention_scores=False, **kwargs):
         output = super().compute_output_spec(x, encoder_output, *args, **kwargs)
@@ -313,15 +244,4 @@ class Decoder(keras.layers.Layer):
         return output, {
             "self_attention": [attention_spec(self, x, x) for _ in self.decoder_layers],
             "cross_attention": [attention_spec(self, x, encoder_output) for _ in self.decoder_layers],
-        }
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "num_layers": self.num_layers,
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "dropout": self.dropout,
-            "norm_first": self.norm_first,
         }

@@ -10,14 +10,57 @@ the end token. Beam search ranks finished hypotheses by it; greedy decoding
 reports the same quantity so the two compare.
 """
 
+from typing import Any, NamedTuple
+
 import tensorflow as tf
 
-from keras_transformer.embedding import PAD_ID
-from keras_transformer.model import padding_mask
+from keras_transformer.masking import PAD_ID, padding_mask
 
 # Default room for the output: source length + 50 tokens (paper section 6.1).
 EXTRA_OUTPUT_LENGTH = 50
 _NEG = -1e9
+
+
+class _GreedyState(NamedTuple):
+    """The greedy loop's state; every field but `cache_index` has the batch first."""
+
+    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
+    last: tf.Tensor  # [batch] the token at `cache_index`
+    finished: tf.Tensor  # [batch] bool: the end token is out
+    log_prob: tf.Tensor  # [batch] log P(output so far)
+    lengths: tf.Tensor  # [batch] output tokens, the end token included
+    tokens: tf.Tensor  # [batch, steps] the output, padding after the end token
+    cache: Any  # Transformer.init_decoding_cache, or {} without the cache
+
+
+class _BeamState(NamedTuple):
+    """The beam loop's state; every field but `cache_index` has the batch (sentences) first.
+
+    A sentence has k + 1 rows: its k beams, then its greedy hypothesis.
+    """
+
+    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
+    last: tf.Tensor  # [batch, k + 1] each row's token at `cache_index`
+    alive_tokens: tf.Tensor  # [batch, k, steps] the beams' outputs so far
+    alive_log_prob: tf.Tensor  # [batch, k] their log-probabilities, best first
+    finished_tokens: tf.Tensor  # [batch, k, steps] the best finished hypotheses
+    finished_scores: tf.Tensor  # [batch, k] their scores, best first; _NEG for none
+    num_finished: tf.Tensor  # [batch] how many beams have ended
+    beam_done: tf.Tensor  # [batch] bool: the beams can change nothing more
+    greedy_tokens: tf.Tensor  # [batch, steps] the greedy hypothesis
+    greedy_log_prob: tf.Tensor  # [batch]
+    greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
+    cache: Any  # Transformer.init_decoding_cache for [batch * (k + 1)] rows, or {}
+
+
+class _Candidates(NamedTuple):
+    """The 2k best one-token extensions of a sentence's k beams, best first, each `[batch, 2k, ...]`."""
+
+    log_prob: tf.Tensor  # [batch, 2k]
+    beam: tf.Tensor  # [batch, 2k] the beam it extends
+    token: tf.Tensor  # [batch, 2k] the token it adds
+    tokens: tf.Tensor  # [batch, 2k, steps] its whole output
+    ends: tf.Tensor  # [batch, 2k] bool: the token is the end token
 
 
 def length_penalty(length, alpha):
@@ -37,6 +80,9 @@ def _prepare(model, source_ids, max_length):
         limits = tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1) + EXTRA_OUTPUT_LENGTH
     else:
         limits = tf.fill([tf.shape(source_ids)[0]], tf.cast(max_length, tf.int32))
+    if model.learned_positions:
+        # Output i is read from decoder position i, and a learned table has max_length positions.
+        limits = tf.minimum(limits, model.max_length)
     limits = tf.maximum(limits, 1)
     steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
     return model.encode(source_ids, training=False), source_mask, limits, steps
@@ -54,33 +100,38 @@ def _next_token_log_probs(logits, at_limit, end_id):
 
 
 def _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache):
-    """`(t, last [rows], outputs [rows, steps], cache) -> (logits [rows, vocab], cache)`.
+    """`(cache_index, last [rows], outputs [rows, steps], cache) -> (logits [rows, vocab], cache)`.
 
-    With the cache, one decoder step for the token at position t. Without it,
-    the whole prefix again (start id + outputs so far), as decoding is defined:
-    the slow reference the cache must equal.
+    With the cache, one decoder step for the token at position `cache_index`.
+    Without it, the whole prefix again (start id + outputs so far), as
+    decoding is defined: the slow reference the cache must equal.
     """
     if use_cache:
-        def next_logits(t, last, outputs, cache):
-            return model.decode_step(last, t, encoder_output, source_mask, cache)
+        def next_logits(cache_index, last, outputs, cache):
+            return model.decode_step(last, cache_index, encoder_output, source_mask, cache)
     else:
-        def next_logits(t, last, outputs, cache):
+        def next_logits(cache_index, last, outputs, cache):
             start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
-            prefix = tf.concat([start, outputs[:, :t]], axis=1)
-            return model.decode(prefix, encoder_output, source_mask)[:, t], cache
+            prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
+            return model.decode(prefix, encoder_output, source_mask)[:, cache_index], cache
     return next_logits
 
 
-def _greedy_choice(log_probs, finished):
-    """The most likely token of each row and its log-probability; PAD and 0 once finished."""
+def _greedy_step(log_probs, cache_index, tokens, log_prob, done, end_id):
+    """A greedy hypothesis grows by its most likely token (PAD, log-probability 0, once done).
+
+    Returns the token `[rows]`, the tokens with it written at `cache_index`,
+    the new log-probability, and whether the token ends the hypothesis.
+    """
     token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
     token_log_prob = tf.gather(log_probs, token, batch_dims=1)
-    return tf.where(finished, PAD_ID, token), tf.where(finished, 0.0, token_log_prob)
+    token, token_log_prob = tf.where(done, PAD_ID, token), tf.where(done, 0.0, token_log_prob)
+    return token, _write_column(tokens, cache_index, token), log_prob + token_log_prob, tf.equal(token, end_id)
 
 
-def _write_column(tokens, t, column):
-    """tokens `[..., steps]` with position `t` set to `column` `[...]`."""
-    return tf.where(tf.range(tf.shape(tokens)[-1]) == t, column[..., None], tokens)
+def _write_column(tokens, position, column):
+    """tokens `[..., steps]` with `position` set to `column` `[...]`."""
+    return tf.where(tf.range(tf.shape(tokens)[-1]) == position, column[..., None], tokens)
 
 
 def _first(n, size):
@@ -89,17 +140,20 @@ def _first(n, size):
 
 
 def _while_loop(cond, body, state):
-    """`tf.while_loop` over (step, per-sentence tensors and caches...) with a free batch size.
+    """`tf.while_loop` over a `NamedTuple` state with a free batch size.
 
-    The batch is the first axis of every state tensor but the step; static
-    sizes elsewhere are kept.
+    `cond` and `body` take the state; the batch is the first axis of every
+    field but the scalar `cache_index`, and static sizes elsewhere are kept.
     """
 
     def free_batch(x):
         return tf.TensorShape([None] + x.shape.as_list()[1:])
 
-    invariants = (tf.TensorShape([]), *tf.nest.map_structure(free_batch, state[1:]))
-    return tf.while_loop(cond, body, state, shape_invariants=invariants)
+    invariants = tf.nest.map_structure(free_batch, state)._replace(cache_index=tf.TensorShape([]))
+    fields = type(state)
+    return tf.while_loop(
+        lambda *s: cond(fields(*s)), lambda *s: body(fields(*s)), state, shape_invariants=invariants
+    )
 
 
 def _trim(tokens):
@@ -116,7 +170,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         max_length: most output tokens (end token included); by default each
-            sentence gets its own source length + 50.
+            sentence gets its own source length + 50. Never more than the
+            model's `max_length` with learned positions (its table ends there).
         alpha: length-penalty exponent for the reported score.
         use_cache: False recomputes the whole prefix every step (same tokens,
             slower; for checks and benchmarks).
@@ -132,30 +187,107 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     batch_size = tf.shape(encoder_output)[0]
     next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
 
-    def step(t, last, finished, log_prob, lengths, tokens, cache):
-        logits, cache = next_logits(t, last, tokens, cache)
-        log_probs = _next_token_log_probs(logits, t + 1 >= limits, end_id)
-        token, token_log_prob = _greedy_choice(log_probs, finished)
-        log_prob += token_log_prob
-        lengths += tf.cast(tf.logical_not(finished), tf.int32)
-        tokens = _write_column(tokens, t, token)
-        finished = tf.logical_or(finished, tf.equal(token, end_id))
-        return t + 1, token, finished, log_prob, lengths, tokens, cache
+    def step(state):
+        logits, cache = next_logits(state.cache_index, state.last, state.tokens, state.cache)
+        log_probs = _next_token_log_probs(logits, state.cache_index + 1 >= limits, end_id)
+        token, tokens, log_prob, ends = _greedy_step(
+            log_probs, state.cache_index, state.tokens, state.log_prob, state.finished, end_id
+        )
+        return _GreedyState(
+            cache_index=state.cache_index + 1,
+            last=token,
+            finished=state.finished | ends,
+            log_prob=log_prob,
+            lengths=state.lengths + tf.cast(~state.finished, tf.int32),
+            tokens=tokens,
+            cache=cache,
+        )
 
-    def not_done(t, last, finished, *_):
-        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(finished)))
+    def not_done(state):
+        return tf.logical_and(state.cache_index < steps, tf.logical_not(tf.reduce_all(state.finished)))
 
-    state = (
-        tf.constant(0),
-        tf.fill([batch_size], tf.cast(start_id, tf.int32)),
-        tf.zeros([batch_size], tf.bool),
-        tf.zeros([batch_size], tf.float32),
-        tf.zeros([batch_size], tf.int32),
-        tf.zeros([batch_size, steps], tf.int32),
-        model.init_decoding_cache(encoder_output, steps) if use_cache else {},
+    state = _GreedyState(
+        cache_index=tf.constant(0),
+        last=tf.fill([batch_size], tf.cast(start_id, tf.int32)),
+        finished=tf.zeros([batch_size], tf.bool),
+        log_prob=tf.zeros([batch_size], tf.float32),
+        lengths=tf.zeros([batch_size], tf.int32),
+        tokens=tf.zeros([batch_size, steps], tf.int32),
+        cache=model.init_decoding_cache(encoder_output, steps) if use_cache else {},
     )
-    _, _, _, log_prob, lengths, tokens, _ = _while_loop(not_done, step, state)
-    return _trim(tokens), log_prob / length_penalty(lengths, alpha)
+    state = _while_loop(not_done, step, state)
+    return _trim(state.tokens), state.log_prob / length_penalty(state.lengths, alpha)
+
+
+def _beam_candidates(alive_log_prob, log_probs, alive_tokens, cache_index, end_id, k):
+    """Every alive beam `[batch, k]` extended by every token (`log_probs` `[batch, k, vocab]`): the best 2k.
+
+    2k, so that k remain alive even if k of them end.
+    """
+    batch_size, vocab_size = tf.shape(log_probs)[0], tf.shape(log_probs)[-1]
+    candidates = alive_log_prob[:, :, None] + log_probs
+    log_prob, index = tf.math.top_k(tf.reshape(candidates, [batch_size, -1]), 2 * k)
+    beam, token = index // vocab_size, index % vocab_size
+    tokens = _write_column(tf.gather(alive_tokens, beam, batch_dims=1), cache_index, token)
+    return _Candidates(log_prob, beam, token, tokens, tf.equal(token, end_id))
+
+
+def _finish(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k):
+    """The best k finished hypotheses once the ending candidates among the best k, and a
+    greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
+
+    Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
+    the sentences' counts of finished beams `[batch]`.
+    """
+    # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
+    # runs a top_k as its fast TopK kernel only if no slice is taken of the result
+    # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
+    # The k extra candidates score _NEG after the finished ones, so no choice changes.
+    newly_finished = (
+        candidates.ends & _first(k, 2 * k) & ~state.beam_done[:, None] & (candidates.log_prob > _NEG / 2)
+    )
+    new_scores = tf.where(newly_finished, candidates.log_prob / penalty, _NEG)
+    greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+    scores, best = tf.math.top_k(tf.concat([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
+    tokens = tf.gather(
+        tf.concat([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
+    )
+    return tokens, scores, state.num_finished + tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
+
+
+def _keep_alive(candidates, k):
+    """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
+    `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
+    log_prob, keep = tf.math.top_k(tf.where(candidates.ends, _NEG, candidates.log_prob), k)
+    kept = [tf.gather(values, keep, batch_dims=1) for values in (candidates.tokens, candidates.beam, candidates.token)]
+    return (log_prob, *kept)
+
+
+def _reorder_cache(cache, source_row):
+    """Each row takes the self-attention keys/values of row `source_row` `[batch, rows]` of its sentence."""
+    batch_size, rows = tf.shape(source_row)[0], tf.shape(source_row)[1]
+    reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
+    return {
+        "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
+        # Identical for every row of a sentence: nothing to reorder.
+        "cross_attention": cache["cross_attention"],
+    }
+
+
+def _stop_early(state, limits, alpha):
+    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
+
+    A log-probability only falls as a hypothesis grows, so its best possible
+    score is now over the largest penalty it can still reach (it has
+    `cache_index` tokens now, its limit at most). The result is
+    unchanged; the loop just ends sooner.
+    """
+    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(limits, alpha))
+    best_finished = state.finished_scores[:, 0]
+    return state._replace(
+        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
+        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
+    )
 
 
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
@@ -180,7 +312,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: length-penalty exponent (0.6 in the paper).
-        max_length: most output tokens; by default source length + 50.
+        max_length: most output tokens; by default source length + 50. Never
+            more than the model's `max_length` with learned positions.
         use_cache: False recomputes the whole prefix every step (same result,
             slower; for checks and benchmarks).
 
@@ -203,85 +336,61 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     row_limits = tf.repeat(limits, rows, axis=0)
     next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
 
-    def step(t, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished, beam_done,
-             greedy_tokens, greedy_log_prob, greedy_done, cache):
-        outputs = tf.reshape(tf.concat([alive_tokens, greedy_tokens[:, None]], axis=1), [batch_size * rows, -1])
-        logits, cache = next_logits(t, tf.reshape(last, [-1]), outputs, cache)
-        log_probs = _next_token_log_probs(logits, t + 1 >= row_limits, end_id)
-        vocab_size = tf.shape(log_probs)[-1]
-        log_probs = tf.reshape(log_probs, [batch_size, rows, vocab_size])
-        penalty = length_penalty(t + 1, alpha)
+    def step(state):
+        cache_index = state.cache_index
+        outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
+        outputs = tf.reshape(outputs, [batch_size * rows, -1])
+        logits, cache = next_logits(cache_index, tf.reshape(state.last, [-1]), outputs, state.cache)
+        log_probs = _next_token_log_probs(logits, cache_index + 1 >= row_limits, end_id)
+        log_probs = tf.reshape(log_probs, [batch_size, rows, tf.shape(log_probs)[-1]])
 
-        # The greedy row.
-        greedy_token, token_log_prob = _greedy_choice(log_probs[:, k], greedy_done)
-        greedy_log_prob += token_log_prob
-        greedy_tokens = _write_column(greedy_tokens, t, greedy_token)
-        greedy_ends = tf.equal(greedy_token, end_id)
-        greedy_done = greedy_done | greedy_ends
-
-        # The beam rows.
-        candidates = alive_log_prob[:, :, None] + log_probs[:, :k]
-        top_log_prob, top_index = tf.math.top_k(tf.reshape(candidates, [batch_size, -1]), 2 * k)
-        top_beam, top_token = top_index // vocab_size, top_index % vocab_size
-        top_tokens = _write_column(tf.gather(alive_tokens, top_beam, batch_dims=1), t, top_token)
-        ends = tf.equal(top_token, end_id)
-
-        # Finish the ending candidates among the best k, and a greedy hypothesis that ends.
-        # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
-        # runs a top_k as its fast TopK kernel only if no slice is taken of the result
-        # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
-        # The k extra candidates score _NEG after the finished ones, so no choice changes.
-        newly_finished = ends & _first(k, 2 * k) & ~beam_done[:, None] & (top_log_prob > _NEG / 2)
-        new_scores = tf.where(newly_finished, top_log_prob / penalty, _NEG)
-        greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
-        finished_scores, best = tf.math.top_k(tf.concat([finished_scores, new_scores, greedy_score[:, None]], 1), k)
-        finished_tokens = tf.gather(
-            tf.concat([finished_tokens, top_tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
+        greedy_token, greedy_tokens, greedy_log_prob, greedy_ends = _greedy_step(
+            log_probs[:, k], cache_index, state.greedy_tokens, state.greedy_log_prob, state.greedy_done, end_id
         )
-        num_finished += tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
-        beam_done = beam_done | (num_finished >= k) | (t + 1 >= limits)
-
-        # Keep the best k that did not end.
-        alive_log_prob, keep = tf.math.top_k(tf.where(ends, _NEG, top_log_prob), k)
-        alive_tokens = tf.gather(top_tokens, keep, batch_dims=1)
-        source_row = tf.concat([tf.gather(top_beam, keep, batch_dims=1), tf.fill([batch_size, 1], k)], axis=1)
+        candidates = _beam_candidates(
+            state.alive_log_prob, log_probs[:, :k], state.alive_tokens, cache_index, end_id, k
+        )
+        finished_tokens, finished_scores, num_finished = _finish(
+            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(cache_index + 1, alpha), k
+        )
+        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
         if use_cache:
-            reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
-            cache = {
-                "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
-                # Identical for every row of a sentence: nothing to reorder.
-                "cross_attention": cache["cross_attention"],
-            }
-        last = tf.concat([tf.gather(top_token, keep, batch_dims=1), greedy_token[:, None]], axis=1)
+            cache = _reorder_cache(cache, tf.concat([alive_beam, tf.fill([batch_size, 1], k)], axis=1))
+        state = _BeamState(
+            cache_index=cache_index + 1,
+            last=tf.concat([alive_token, greedy_token[:, None]], axis=1),
+            alive_tokens=alive_tokens,
+            alive_log_prob=alive_log_prob,
+            finished_tokens=finished_tokens,
+            finished_scores=finished_scores,
+            num_finished=num_finished,
+            beam_done=state.beam_done | (num_finished >= k) | (cache_index + 1 >= limits),
+            greedy_tokens=greedy_tokens,
+            greedy_log_prob=greedy_log_prob,
+            greedy_done=state.greedy_done | greedy_ends,
+            cache=cache,
+        )
+        return _stop_early(state, limits, alpha)
 
-        # Stop early where nothing alive can still win: a log-probability only
-        # falls as a hypothesis grows, so its best possible score is now over
-        # the largest penalty it can reach. The result is unchanged.
-        largest_penalty = tf.maximum(length_penalty(t + 1, alpha), length_penalty(limits, alpha))
-        beam_done = beam_done | (alive_log_prob[:, 0] / largest_penalty < finished_scores[:, 0])
-        greedy_done = greedy_done | (greedy_log_prob / largest_penalty < finished_scores[:, 0])
-        return (t + 1, last, alive_tokens, alive_log_prob, finished_tokens, finished_scores, num_finished,
-                beam_done, greedy_tokens, greedy_log_prob, greedy_done, cache)
-
-    def not_done(t, *state):
-        beam_done, greedy_done = state[6], state[9]
-        return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(beam_done & greedy_done)))
+    def not_done(state):
+        return tf.logical_and(
+            state.cache_index < steps, tf.logical_not(tf.reduce_all(state.beam_done & state.greedy_done))
+        )
 
     first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
-    state = (
-        tf.constant(0),
-        tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
-        tf.zeros([batch_size, k, steps], tf.int32),
-        tf.tile(first_beam_only[None], [batch_size, 1]),
-        tf.zeros([batch_size, k, steps], tf.int32),
-        tf.fill([batch_size, k], _NEG),
-        tf.zeros([batch_size], tf.int32),
-        tf.zeros([batch_size], tf.bool),
-        tf.zeros([batch_size, steps], tf.int32),
-        tf.zeros([batch_size], tf.float32),
-        tf.zeros([batch_size], tf.bool),
-        cache,
+    state = _BeamState(
+        cache_index=tf.constant(0),
+        last=tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
+        alive_tokens=tf.zeros([batch_size, k, steps], tf.int32),
+        alive_log_prob=tf.tile(first_beam_only[None], [batch_size, 1]),
+        finished_tokens=tf.zeros([batch_size, k, steps], tf.int32),
+        finished_scores=tf.fill([batch_size, k], _NEG),
+        num_finished=tf.zeros([batch_size], tf.int32),
+        beam_done=tf.zeros([batch_size], tf.bool),
+        greedy_tokens=tf.zeros([batch_size, steps], tf.int32),
+        greedy_log_prob=tf.zeros([batch_size], tf.float32),
+        greedy_done=tf.zeros([batch_size], tf.bool),
+        cache=cache,
     )
     state = _while_loop(not_done, step, state)
-    finished_tokens, finished_scores = state[4], state[5]
-    return _trim(finished_tokens[:, 0]), finished_scores[:, 0]
+    return _trim(state.finished_tokens[:, 0]), state.finished_scores[:, 0]

@@ -5,7 +5,7 @@ import math
 import keras
 import tensorflow as tf
 
-PAD_ID = 0
+from keras_transformer.masking import PAD_ID
 
 
 def positional_encoding(positions, d_model, dtype="float32"):
@@ -48,7 +48,9 @@ class PositionalEmbedding(keras.layers.Layer):
         dropout: dropout rate on the sum (paper section 5.4, P_drop).
         learned_positions: learn a `[max_length, d_model]` position table
             instead of the sinusoids (the paper's variant in table 3, row E).
-        max_length: longest position for learned positions (required then).
+        max_length: number of learned positions (required then): inputs may
+            cover positions 0 to max_length - 1 only, and longer ones raise
+            an error that names max_length.
 
     Shapes:
         call(token_ids `[batch, length]`, start_index=0) -> `[batch, length, d_model]`.
@@ -115,10 +117,29 @@ class PositionalEmbedding(keras.layers.Layer):
         positions = start_index + tf.range(tf.shape(token_ids)[1])
         x = self.token_embedding(token_ids) * tf.cast(math.sqrt(self.d_model), self.compute_dtype)
         if self.position_embedding is not None:
-            x = x + self.position_embedding(positions)[None]
+            x = x + self.position_embedding(self._within_table(positions, start_index, tf.shape(token_ids)[1]))[None]
         else:
             x = x + positional_encoding(positions, self.d_model, self.compute_dtype)[None]
         return self.dropout_layer(x, training=training)
+
+    def _within_table(self, positions, start_index, length):
+        """`positions`, once checked against the learned table.
+
+        Past its end a gather fails with an obscure message deep in the graph
+        on CPU, and silently returns zeros on GPU. The check runs in graphs
+        too, before the gather; XLA drops it.
+        """
+        end = start_index + length
+        check = tf.debugging.Assert(
+            end <= self.max_length,
+            [
+                f"PositionalEmbedding(learned_positions=True, max_length={self.max_length}) has no position past "
+                f"{self.max_length - 1}; this input needs max_length >= start_index + length =",
+                end,
+            ],
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(positions)
 
     def compute_mask(self, token_ids, mask=None):
         return keras.ops.not_equal(token_ids, PAD_ID)

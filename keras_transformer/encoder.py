@@ -1,27 +1,16 @@
 """The encoder: a stack of N identical layers (paper section 3.1)."""
 
 import keras
-import tensorflow as tf
 
-from keras_transformer.attention import MultiHeadAttention, head_size
+from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
 from keras_transformer.feed_forward import FeedForward
-from keras_transformer.residual import residual
-
-LAYER_NORM_EPSILON = 1e-6
-
-
-def keras_mask(x):
-    """The Keras padding mask attached to `x` by an upstream layer, if any."""
-    return getattr(x, "_keras_mask", None)
-
-
-def attention_spec(layer, query, key):
-    """Symbolic attention weights `[batch, num_heads, query_len, key_len]` (functional API, `keras.Input`)."""
-    return keras.KerasTensor((query.shape[0], layer.num_heads, query.shape[1], key.shape[1]), dtype=layer.compute_dtype)
+from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
+from keras_transformer.masking import keras_mask
+from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class EncoderLayer(keras.layers.Layer):
+class EncoderLayer(TransformerLayerBase):
     """Self-attention then feed-forward, each in a residual block.
 
     Args:
@@ -53,24 +42,14 @@ class EncoderLayer(keras.layers.Layer):
     """
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
-        super().__init__(**kwargs)
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.d_ff = d_ff
-        self.dropout = dropout
-        self.norm_first = norm_first
+        super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.self_attention = MultiHeadAttention(
             num_heads, head_size(d_model, num_heads), dtype=self.dtype_policy, name="self_attention"
         )
-        self.self_attention_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="self_attention_norm"
-        )
+        self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         self.feed_forward = FeedForward(d_model, d_ff, dtype=self.dtype_policy, name="feed_forward")
-        self.feed_forward_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="feed_forward_norm"
-        )
+        self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
-        self.supports_masking = True
 
     def build(self, input_shape):
         self.self_attention.build(input_shape, input_shape)
@@ -83,45 +62,30 @@ class EncoderLayer(keras.layers.Layer):
         if padding_mask is None:
             padding_mask = keras_mask(x)
         attention_mask = None if padding_mask is None else padding_mask[:, None, :]
-        # The residual block takes a tensor -> tensor sub-layer, so the weights leave by this list.
-        scores = []
 
-        def self_attention(h):
-            out = self.self_attention(
-                h, h, attention_mask=attention_mask, return_attention_scores=return_attention_scores, training=training
-            )
-            if return_attention_scores:
-                out, weights = out
-                scores.append(weights)
-            return out
+        residual = x
+        x = norm_before(x, self.self_attention_norm, self.norm_first)
+        x = self.self_attention(
+            x, x, attention_mask=attention_mask, return_attention_scores=return_attention_scores, training=training
+        )
+        x, scores = x if return_attention_scores else (x, None)
+        x = add_and_norm_after(residual, x, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
 
-        x = residual(x, self_attention, self.self_attention_norm, self.dropout_layer, self.norm_first, training)
-        x = residual(x, self.feed_forward, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
-        if return_attention_scores:
-            return x, scores[0]
-        return x
+        residual = x
+        x = norm_before(x, self.feed_forward_norm, self.norm_first)
+        x = self.feed_forward(x)
+        x = add_and_norm_after(residual, x, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
+        return (x, scores) if return_attention_scores else x
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
 
     def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
         # compute_output_shape knows one output; the weights are a second one.
         output = super().compute_output_spec(x, *args, **kwargs)
         return (output, attention_spec(self, x, x)) if return_attention_scores else output
 
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "dropout": self.dropout,
-            "norm_first": self.norm_first,
-        }
-
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class Encoder(keras.layers.Layer):
+class Encoder(TransformerStackBase):
     """N `EncoderLayer`s (plus a final LayerNorm when `norm_first`).
 
     Takes embedded tokens, not ids: `PositionalEmbedding` comes before it.
@@ -146,30 +110,12 @@ class Encoder(keras.layers.Layer):
     """
 
     def __init__(self, num_layers, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
-        super().__init__(**kwargs)
-        self.num_layers = num_layers
-        self.d_model = d_model
-        self.num_heads = num_heads
-        self.d_ff = d_ff
-        self.dropout = dropout
-        self.norm_first = norm_first
-        self.encoder_layers = [
-            EncoderLayer(d_model, num_heads, d_ff, dropout, norm_first, dtype=self.dtype_policy, name=f"layer_{i}")
-            for i in range(num_layers)
-        ]
-        self.final_norm = (
-            keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=self.dtype_policy, name="final_norm")
-            if norm_first
-            else None
-        )
-        self.supports_masking = True
+        super().__init__(num_layers, d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
+        self.encoder_layers = self._identical_layers(EncoderLayer)
+        self.final_norm = self._final_norm()
 
     def build(self, input_shape):
-        for layer in self.encoder_layers:
-            layer.build(input_shape)
-        if self.final_norm is not None:
-            self.final_norm.build(input_shape)
-        self.built = True
+        self._build_stack(self.encoder_layers, input_shape)
 
     def call(self, x, padding_mask=None, training=None, return_attention_scores=False):
         if padding_mask is None:
@@ -186,22 +132,9 @@ class Encoder(keras.layers.Layer):
             return x, scores
         return x
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
 
     def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
         output = super().compute_output_spec(x, *args, **kwargs)
         if not return_attention_scores:
             return output
         return output, [attention_spec(self, x, x) for _ in self.encoder_layers]
-
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "num_layers": self.num_layers,
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "dropout": self.dropout,
-            "norm_first": self.norm_first,
-        }

@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from keras_transformer.embedding import PAD_ID
+from keras_transformer.masking import PAD_ID
 
 
 def smoothed_cross_entropy(logits, labels, label_smoothing):
@@ -38,6 +38,15 @@ def smoothed_cross_entropy(logits, labels, label_smoothing):
     return loss(logits)
 
 
+def _token_weights(sample_weight, mask):
+    """`sample_weight` (a scalar, one per sentence `[batch]` or one per token
+    `[batch, length]`) as float32 `[batch, length]`, shaped like `mask`."""
+    weight = tf.cast(sample_weight, tf.float32)
+    if weight.shape.rank == 1:
+        weight = weight[:, None]
+    return tf.broadcast_to(weight, tf.shape(mask))
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     """Label-smoothed cross-entropy over real tokens, from logits.
@@ -45,9 +54,16 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     The target distribution puts 1 - label_smoothing + label_smoothing / V on
     the reference token and label_smoothing / V on every other (Keras'
     convention; eps_ls = 0.1 in the paper). Positions whose reference id is 0
-    (padding) contribute nothing; the result is the mean over real tokens
-    (per replica under tf.distribute, where Keras divides it by the replicas
-    so that the summed gradients average them).
+    (padding) contribute nothing. With l the per-token loss, m the real-token
+    mask and w the sample weight (1 by default; per sentence `[batch]` or per
+    token `[batch, length]`), the reductions are:
+
+    - `"sum_over_batch_size"` (default), `"mean"`, `"mean_with_sample_weight"`:
+      sum(w l m) / sum(w m), the (weighted) mean over real tokens. Per
+      replica under tf.distribute, divided by the replicas as Keras does
+      with its own means, so that the summed gradients average them.
+    - `"sum"`: sum(w l m).
+    - `None` / `"none"`: w l m, `[batch, length]`.
 
     Shapes:
         y_true `[batch, length]` int ids, y_pred `[batch, length, vocab]` logits
@@ -64,16 +80,30 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         super().__init__(name=name, **kwargs)
         self.label_smoothing = label_smoothing
 
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        # Keras' own reduction counts every position, padding too, in a mean
+        # and in its sample-weight divisor; the mean over real tokens needs
+        # both its sum and its count here.
+        with tf.name_scope(self.name):
+            y_true = tf.cast(y_true, tf.int32)
+            weights = tf.cast(tf.not_equal(y_true, PAD_ID), tf.float32)
+            losses = self.call(y_true, y_pred)
+            if sample_weight is not None:
+                sample_weight = _token_weights(sample_weight, weights)
+                weights, losses = weights * sample_weight, losses * sample_weight
+            if self.reduction in (None, "none"):
+                return losses
+            total = tf.reduce_sum(losses)
+            if self.reduction == "sum":
+                return total
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            return tf.math.divide_no_nan(total, tf.reduce_sum(weights)) * (1.0 / replicas)
+
     def call(self, y_true, y_pred):
+        """The loss of each token `[batch, length]`, 0 at padding."""
         y_true = tf.cast(y_true, tf.int32)
         per_token = smoothed_cross_entropy(tf.cast(y_pred, tf.float32), y_true, self.label_smoothing)
-        mask = tf.cast(tf.not_equal(y_true, PAD_ID), tf.float32)
-        # Keras reduces with the mean over all positions, then divides by the
-        # replicas in sync under tf.distribute (a scalar returned here would
-        # skip that). Weighting real tokens by positions / real tokens turns
-        # that mean into the mean over real tokens.
-        positions = tf.cast(tf.size(mask), tf.float32)
-        return per_token * mask * (positions / tf.maximum(tf.reduce_sum(mask), 1.0))
+        return tf.where(tf.not_equal(y_true, PAD_ID), per_token, 0.0)
 
     def get_config(self):
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
@@ -82,6 +112,11 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MaskedAccuracy(keras.metrics.Metric):
     """Token accuracy over real (non-pad) positions, accumulated over batches.
+
+    A token is right when its reference has the strictly largest logit: a tie
+    is a miss, so constant logits score 0, not 1. With `sample_weight` (per
+    sentence `[batch]` or per token `[batch, length]`) the result is the
+    weighted hits over the weighted real tokens.
 
     Shapes: y_true `[batch, length]` ids, y_pred `[batch, length, vocab]` logits.
     """
@@ -93,14 +128,16 @@ class MaskedAccuracy(keras.metrics.Metric):
 
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = tf.cast(y_true, tf.int32)
-        mask = tf.not_equal(y_true, PAD_ID)
-        # The reference token has the top logit (a tie counts as a hit): a max and a
-        # gather, cheaper than an argmax over [batch, length, vocab].
+        weights = tf.cast(tf.not_equal(y_true, PAD_ID), self.dtype)
+        if sample_weight is not None:
+            weights *= tf.cast(_token_weights(sample_weight, weights), self.dtype)
+        # The reference is the only logit at least as large as itself: a gather and
+        # a count, cheaper than an argmax over [batch, length, vocab], and no tie wins.
         y_pred = tf.convert_to_tensor(y_pred)
-        top = tf.gather(y_pred, y_true, axis=-1, batch_dims=2) >= tf.reduce_max(y_pred, axis=-1)
-        hits = tf.logical_and(mask, top)
-        self.correct.assign_add(tf.reduce_sum(tf.cast(hits, self.dtype)))
-        self.total.assign_add(tf.reduce_sum(tf.cast(mask, self.dtype)))
+        reference = tf.gather(y_pred, y_true, axis=-1, batch_dims=2)
+        hits = tf.math.count_nonzero(y_pred >= reference[..., None], axis=-1) == 1
+        self.correct.assign_add(tf.reduce_sum(tf.where(hits, weights, 0.0)))
+        self.total.assign_add(tf.reduce_sum(weights))
 
     def result(self):
         return tf.math.divide_no_nan(self.correct, self.total)

@@ -5,8 +5,9 @@ import tensorflow as tf
 
 from keras_transformer.attention import head_size
 from keras_transformer.decoder import Decoder
-from keras_transformer.embedding import PAD_ID, PositionalEmbedding
+from keras_transformer.embedding import PositionalEmbedding
 from keras_transformer.encoder import Encoder
+from keras_transformer.masking import padding_mask
 
 PRESETS = {
     # For tests: builds and trains in seconds.
@@ -17,11 +18,6 @@ PRESETS = {
     "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6, dropout=0.1),
     "big": dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6, num_decoder_layers=6, dropout=0.3),
 }
-
-
-def padding_mask(token_ids):
-    """`[batch, length]` bool, True at real tokens (pad id is 0)."""
-    return tf.not_equal(token_ids, PAD_ID)
 
 
 def _token_ids(name, token_ids):
@@ -58,7 +54,9 @@ class Transformer(keras.Model):
         tie_output_embedding: the pre-softmax projection reuses the target
             embedding matrix (paper section 3.4).
         learned_positions: learned position embeddings instead of sinusoids.
-        max_length: longest position, required with `learned_positions`.
+        max_length: number of learned positions, required with
+            `learned_positions`: sources and decoder inputs may have at most
+            `max_length` tokens, and decoding stops its outputs there.
 
     Shapes:
         call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
@@ -287,26 +285,27 @@ class Transformer(keras.Model):
             "cross_attention": self.decoder.compute_cross_attention_cache(encoder_output),
         }
 
-    def decode_step(self, token_ids, index, encoder_output, encoder_padding_mask, cache):
+    def decode_step(self, token_ids, cache_index, encoder_output, encoder_padding_mask, cache):
         """One step of incremental decoding.
 
         Args:
-            token_ids: `[batch]` the target token at position `index`.
-            index: scalar int, its position (0 for the start token).
+            token_ids: `[batch]` the target token at position `cache_index`.
+            cache_index: scalar int, its position (0 for the start token),
+                where its keys and values are written in the cache.
             encoder_output: `[batch, source_len, d_model]`.
             encoder_padding_mask: `[batch, source_len]` bool.
             cache: from `init_decoding_cache` or the previous step.
 
         Returns:
-            (logits `[batch, vocab]` for position `index + 1`, updated cache).
+            (logits `[batch, vocab]` for position `cache_index + 1`, updated cache).
         """
-        x = self.target_embedding(token_ids[:, None], start_index=index)
+        x = self.target_embedding(token_ids[:, None], start_index=cache_index)
         x, self_attention_cache = self.decoder(
             x,
             encoder_output,
             encoder_padding_mask=encoder_padding_mask,
             self_attention_cache=cache["self_attention"],
-            cache_index=index,
+            cache_index=cache_index,
             cross_attention_cache=cache["cross_attention"],
         )
         cache = {"self_attention": self_attention_cache, "cross_attention": cache["cross_attention"]}

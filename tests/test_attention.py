@@ -105,7 +105,7 @@ def test_options_beyond_the_paper_run_keras_code_and_refuse_the_cache(inputs):
     _same_weights(ours, reference, query, query)
     np.testing.assert_allclose(ours(query, query).numpy(), reference(query, query).numpy(), atol=1e-5)
     with pytest.raises(ValueError, match="cache supports plain multi-head attention only"):
-        ours(query[:, :1], query[:, :1], cache=ours.empty_cache(3, 5), cache_update_index=0)
+        ours(query[:, :1], query[:, :1], cache=ours.empty_cache(3, 5), cache_index=0)
 
 
 def test_explicit_query_mask_gives_masked_queries_no_attention(inputs):

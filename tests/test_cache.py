@@ -14,7 +14,7 @@ def test_attention_cache_equals_full_causal_pass():
     full = mha(x, x, use_causal_mask=True).numpy()
     cache = mha.empty_cache(batch_size=2, max_length=6)
     for t in range(6):
-        step, cache = mha(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_update_index=t)
+        step, cache = mha(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_index=t)
         np.testing.assert_allclose(step.numpy()[:, 0], full[:, t], atol=1e-5)
 
 

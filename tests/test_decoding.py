@@ -5,8 +5,9 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from conftest import random_ids
-from test_fit import END, START, copy_task
+from conftest import copy_task, random_ids
+from keras_transformer.text import END_ID as END
+from keras_transformer.text import START_ID as START
 
 
 @pytest.fixture(scope="module")
@@ -160,19 +161,42 @@ def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
     assert float(batch_scores[1]) == pytest.approx(float(alone_score[0]), rel=1e-5)
 
 
-def test_default_limit_is_source_length_plus_50():
-    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False)
+def _never_ending_model(**kwargs):
+    """A random model whose end token always loses: only the length limit stops decoding."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
     model.build()
-    # An end token the model never prefers: only the length limit stops decoding.
     bias = model.output_projection.bias
     bias.assign(np.where(np.arange(24) == END, -1e4, bias.numpy()).astype("float32"))
+    return model
+
+
+def _sources_of_2_and_6_tokens():
     source = np.zeros((2, 6), "int32")
     source[0, :2] = [5, 6]
     source[1, :6] = [5, 6, 7, 8, 9, 10]
+    return source
+
+
+def test_default_limit_is_source_length_plus_50():
+    model = _never_ending_model()
+    source = _sources_of_2_and_6_tokens()
     for decode in (kt.greedy_decode, kt.beam_search):
         tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
         assert list((tokens != 0).sum(axis=1)) == [2 + 50, 6 + 50]
         assert tokens[0, 51] == END and tokens[1, 55] == END
+
+
+def test_learned_positions_cap_the_output_at_the_position_table():
+    """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end."""
+    model = _never_ending_model(learned_positions=True, max_length=12)
+    source = _sources_of_2_and_6_tokens()
+    for decode in (kt.greedy_decode, kt.beam_search):
+        tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
+        assert list((tokens != 0).sum(axis=1)) == [12, 12]
+        assert (tokens[:, 11] == END).all()
+    # An explicit limit past the table is capped too; one within it is kept.
+    assert kt.greedy_decode(model, source, START, END, max_length=30)[0].shape == (2, 12)
+    assert kt.greedy_decode(model, source, START, END, max_length=5)[0].shape == (2, 5)
 
 
 def test_empty_batch_and_bad_rank():

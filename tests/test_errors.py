@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_transformer as kt
 
@@ -42,3 +43,17 @@ def test_float_ids_are_cast_like_keras_embedding_does(tiny_model):
 def test_learned_positions_need_max_length():
     with pytest.raises(ValueError, match="max_length"):
         kt.PositionalEmbedding(10, 8, learned_positions=True)
+
+
+def test_positions_past_a_learned_table_name_max_length():
+    """Past the table a gather fails obscurely on CPU (and returns zeros on GPU); the error names max_length."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=10, learned_positions=True, max_length=8)
+    message = r"max_length=8\).*start_index \+ length =\D*9"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        model.encode(np.ones((2, 9), "int32"))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        tf.function(model.encode)(np.ones((2, 9), "int32"))
+    assert model.encode(np.ones((2, 8), "int32")).shape == (2, 8, 32)
+    # One decoding step past the table too.
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        model.target_embedding(np.ones((2, 1), "int32"), start_index=8)

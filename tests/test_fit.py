@@ -4,18 +4,7 @@ import keras
 import numpy as np
 
 import keras_transformer as kt
-
-START, END = 2, 3
-
-
-def copy_task(rng, n, length=6, vocab=16):
-    """Source: random tokens then END; target: START + the same tokens + END."""
-    tokens = rng.integers(4, vocab, size=(n, length)).astype("int32")
-    end = np.full((n, 1), END, "int32")
-    source = np.concatenate([tokens, end], axis=1)
-    target_in = np.concatenate([np.full((n, 1), START, "int32"), tokens], axis=1)
-    target_out = np.concatenate([tokens, end], axis=1)
-    return (source, target_in), target_out
+from conftest import copy_task
 
 
 def test_fit_learns_to_copy():

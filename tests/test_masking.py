@@ -1,8 +1,10 @@
 """Paper definitions: the decoder is causal, and padding changes nothing."""
 
+import keras
 import numpy as np
 
-from conftest import random_ids
+import keras_transformer as kt
+from conftest import VOCAB, random_ids
 
 
 def test_decoder_is_causal(tiny_model):
@@ -55,3 +57,42 @@ def test_padding_is_never_attended_even_with_extreme_pad_embeddings(tiny_model):
     after = tiny_model((source, target)).numpy()
     # Column 0 is the pad logit itself, which the tied projection does change.
     np.testing.assert_allclose(after[..., 1:], before[..., 1:], atol=1e-4)
+
+
+def _right_padded(ids, extra):
+    return np.pad(ids, [(0, 0), (0, extra)])
+
+
+def test_encoder_classifier_ignores_right_padding_through_the_keras_mask():
+    """The README's classifier: nothing passes padding_mask, so the Keras mask that
+    PositionalEmbedding attaches is the only thing that keeps padding out."""
+    ids = keras.Input(shape=(None,), dtype="int32")
+    x = kt.PositionalEmbedding(VOCAB, 16)(ids)
+    x = kt.EncoderLayer(16, 2, 32, dropout=0.0)(x)
+    hidden = kt.Encoder(2, 16, 2, 32, dropout=0.0, norm_first=True)(x)
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)  # a masked mean
+    classifier = keras.Model(ids, [hidden, keras.layers.Dense(3)(pooled)])
+
+    source = random_ids(np.random.default_rng(4), 3, 6)
+    source[1, 4:] = 0
+    hidden, logits = classifier(source)
+    padded_hidden, padded_logits = classifier(_right_padded(source, 5))
+    real = source != 0
+    np.testing.assert_allclose(padded_hidden.numpy()[:, :6][real], hidden.numpy()[real], atol=1e-5)
+    np.testing.assert_allclose(padded_logits.numpy(), logits.numpy(), atol=1e-5)
+
+
+def test_functional_decoder_ignores_source_padding_through_the_keras_mask():
+    source_ids = keras.Input(shape=(None,), dtype="int32")
+    target_ids = keras.Input(shape=(None,), dtype="int32")
+    embedding = kt.PositionalEmbedding(VOCAB, 16)
+    memory = kt.Encoder(1, 16, 2, 32, dropout=0.0)(embedding(source_ids))
+    x = kt.DecoderLayer(16, 2, 32, dropout=0.0)(embedding(target_ids), memory)
+    x = kt.Decoder(1, 16, 2, 32, dropout=0.0)(x, memory)
+    model = keras.Model([source_ids, target_ids], x)
+
+    rng = np.random.default_rng(5)
+    source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
+    source[0, 3:] = 0
+    out = model([source, target]).numpy()
+    np.testing.assert_allclose(model([_right_padded(source, 4), target]).numpy(), out, atol=1e-5)

@@ -1,0 +1,64 @@
+"""What every encoder/decoder layer and stack shares: the paper's hyper-parameters, stored and serialized once."""
+
+import keras
+
+from keras_transformer.residual import layer_norm
+
+
+class TransformerLayerBase(keras.layers.Layer):
+    """Holds d_model, num_heads, d_ff, dropout (P_drop) and norm_first (see `EncoderLayer` for their meaning).
+
+    Output shape = the shape of the first input (every sub-layer keeps `[batch, length, d_model]`).
+    """
+
+    def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
+        super().__init__(**kwargs)
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout = dropout
+        self.norm_first = norm_first
+        self.supports_masking = True
+
+    def compute_output_shape(self, x_shape, *args, **kwargs):
+        return x_shape
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "dropout": self.dropout,
+            "norm_first": self.norm_first,
+        }
+
+
+class TransformerStackBase(TransformerLayerBase):
+    """`TransformerLayerBase` plus N, the number of identical layers (6 in the paper)."""
+
+    def __init__(self, num_layers, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
+        super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
+        self.num_layers = num_layers
+
+    def _identical_layers(self, layer_class, **kwargs):
+        """N `layer_class` layers with this stack's settings, named layer_0 ... layer_{N-1}."""
+        return [
+            layer_class(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
+                        dtype=self.dtype_policy, name=f"layer_{i}", **kwargs)
+            for i in range(self.num_layers)
+        ]
+
+    def _final_norm(self):
+        """The LayerNorm that ends a pre-norm stack (None for the paper's post-norm)."""
+        return layer_norm(self.dtype_policy, "final_norm") if self.norm_first else None
+
+    def _build_stack(self, layers, x_shape, *other_shapes):
+        for layer in layers:
+            layer.build(x_shape, *other_shapes)
+        if self.final_norm is not None:
+            self.final_norm.build(x_shape)
+        self.built = True
+
+    def get_config(self):
+        return {**super().get_config(), "num_layers": self.num_layers}
