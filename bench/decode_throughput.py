@@ -13,7 +13,7 @@ tokens/s, where target tokens = sentencepiece pieces of each translation + 1
 warmed up on one batch first. Also checks that cached and uncached decoding
 give the same translations.
 
-Without --model-dir it trains a quick model first (export.quick_model,
+Without --model-dir it trains a quick model first (tests/quick_model.py,
 preset small, 600 steps on 10,000 pairs: ~20 minutes on 2 busy cores; it is
 kept in --work-dir and reused) and names it in the output: an untrained
 model's outputs run to the length limit and would not be representative.
@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -43,7 +45,7 @@ def _read(path, limit):
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="a directory written by training.train (default: train a quick model)")
+    p.add_argument("--model-dir", help="a directory written by kt-train (default: train a quick model)")
     p.add_argument("--data-dir", default="../shared/data/multi30k")
     p.add_argument("--split", default="test_2016_flickr")
     p.add_argument("--limit", type=int, default=1000, help="sentences per configuration (default 1000)")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
 
     from export.export_model import export
     from export.translate import translate_lines
-    from training.train import load_config
+    from export.translator import read_config
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from export.quick_model import build_quick_model_dir
+        sys.path.insert(0, str(REPO / "tests"))  # a test fixture, not shipped in the wheel
+        from quick_model import build_quick_model_dir
 
         model_dir = work / "quick-model"
         t0 = time.time()
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
         model_note = (f"quick model: preset {args.quick_preset}, {args.quick_steps} steps on the first "
                       f"{args.quick_lines} Multi30k training pairs, vocab 4000 ({time.time() - t0:.0f}s)")
         print(model_note, flush=True)
-    cfg = load_config(model_dir)
+    cfg = read_config(model_dir)
     sources = _read(Path(args.data_dir) / f"{args.split}.{cfg['source_lang']}", args.limit)
     references = _read(Path(args.data_dir) / f"{args.split}.{cfg['target_lang']}", args.limit)
     sp = spm.SentencePieceProcessor(model_file=str(model_dir / cfg["tokenizer_file"]))

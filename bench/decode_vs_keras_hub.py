@@ -84,8 +84,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-START_ID = 2  # bos, the decoder's start token (runs/en-de-demo/config.json)
-EOS_ID = 3  # appended to every source sentence, as training.pipeline.encode_source does
+from keras_transformer.text import END_ID as EOS_ID  # noqa: E402  (ends every source sentence)
+from keras_transformer.text import START_ID  # noqa: E402  (the decoder's start token)
+
 NEVER_ID = -1  # ours' end id: no step can produce it, so every row decodes exactly N tokens
 PRESET = "small"
 VOCAB_SIZE = 8000

@@ -21,9 +21,12 @@ use `--threads` threads (default: all cores), paper Adam (beta_2 0.98, eps 1e-9,
 the paper's warm-up schedule, `kt.TransformerSchedule`, warm-up 4000), label
 smoothing 0.1, a loss masked at pad id 0, dropout 0.1, post-norm, float32 logits.
 
-- ours: `training.train.build_and_compile` (the model and compile step of
-  training) under a one-device MirroredStrategy, `model.fit`, as
-  bench/train_throughput.py. bf16 = Keras policy mixed_bfloat16.
+- ours: `training.fit.build_and_compile` (the model and compile step of
+  kt-train) under a one-device MirroredStrategy, `model.fit`, as
+  bench/train_throughput.py. (kt-train now uses TensorFlow's default strategy on
+  one device; the figures were measured with this one-device MirroredStrategy for
+  every framework alike, which changes no step: what the default strategy avoids
+  is a stall between epochs.) bf16 = Keras policy mixed_bfloat16.
 - keras-hub: a functional Keras model of `keras_hub.layers.TransformerEncoder`
   / `TransformerDecoder` (post-norm, LayerNorm eps 1e-6), `ReversibleEmbedding`
   (shared by source and target, tied output projection, init stddev
@@ -87,7 +90,7 @@ PRESETS = {
     "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, dropout=0.1),
     "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6, dropout=0.1),
 }
-WARMUP_STEPS = 4000  # the learning-rate schedule's warm-up (training.train DEFAULTS)
+WARMUP_STEPS = 4000  # the learning-rate schedule's warm-up (training.config DEFAULTS)
 
 
 def train_flops(c, batch, src_len, tgt_len, vocab_size):
@@ -162,7 +165,8 @@ def build_compiled(framework, preset, precision, vocab_size):
 
     import keras_transformer as kt
     from keras_transformer.model import PRESETS as KT_PRESETS
-    from training.train import DEFAULTS, build_and_compile, compile_model
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile, compile_model
 
     assert KT_PRESETS[preset] == PRESETS[preset], "PRESETS here differ from keras_transformer/model.py"
     keras.mixed_precision.set_global_policy("mixed_bfloat16" if precision == "bf16" else "float32")

@@ -10,7 +10,7 @@
 (`.venv` is enough with `--frameworks ours`; keras-hub needs `.venv-bench`.)
 
 Each (framework, preset, precision) runs in its own subprocess, built exactly
-as bench/peers_throughput.py builds it (ours: `training.train.build_and_compile`;
+as bench/peers_throughput.py builds it (ours: `training.fit.build_and_compile`;
 keras-hub: `peers_throughput.keras_hub_model` + the same compile step), under a
 one-device MirroredStrategy, on the same synthetic batch (128 x 32 tokens per
 side, vocabulary 8000, no padding). After `--warmup` untimed `model.fit` steps

@@ -5,8 +5,11 @@
 
 Each configuration runs in its own subprocess (logical CPU devices and the
 dtype policy must be set before TensorFlow initializes). The model is built and
-compiled exactly as `training.train` does (MirroredStrategy, paper Adam, label
-smoothing 0.1) and trained with `model.fit` on synthetic batches of a fixed
+compiled by kt-train's own `training.fit.build_and_compile` (paper Adam, label
+smoothing 0.1) under `MirroredStrategy` over `--replicas` logical CPU devices
+(kt-train itself uses TensorFlow's default strategy on one device; the step
+is the same, and the iterator-deletion stall that choice avoids falls between
+epochs, outside the timed steps) and trained with `model.fit` on synthetic batches of a fixed
 shape: `--tokens-per-batch` tokens per side, sentences of `--length` tokens, no
 padding, vocabulary 8000. After `--warmup` steps, each step is timed (the loss
 is read back every step, so steps do not overlap) and the median is reported.
@@ -73,7 +76,8 @@ def worker(args) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from training.train import DEFAULTS, build_and_compile
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile
 
     policy = "mixed_bfloat16" if args.precision == "bf16" else "float32"
     keras.mixed_precision.set_global_policy(policy)

@@ -25,6 +25,7 @@ Strings that are not valid UTF-8 are sent base64-encoded over REST
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import sys
@@ -179,8 +180,6 @@ class GrpcClient:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m export.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)

@@ -7,7 +7,9 @@ Writes TF Serving's layout EXPORT_DIR/NAME/VERSION/ (saved_model.pb,
 variables/, assets/tokenizer.model), VERSION being 1 or the next integer
 after the highest existing one. The version directory appears atomically
 (written under a hidden temporary name, then renamed), so a model server
-polling EXPORT_DIR/NAME never loads a half-written version.
+polling EXPORT_DIR/NAME never loads a half-written version. It holds TF
+Serving's warm-up requests, assets.extra/tf_serving_warmup_requests, which the
+model server replays before it serves the version.
 
 Signatures: serving_default (text -> translation, score; beam search),
 greedy (same, greedy decoding), translate_ids (source_ids -> tokens, score),
@@ -24,6 +26,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import tensorflow as tf
+from tensorflow_serving.apis import prediction_log_pb2
+
+from export.graph_ops import registered_ops, saved_model_ops, unservable_ops
+from export.translator import GREEDY_SIGNATURE, TEXT_SIGNATURE, Translator
+
+# TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
+WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
+# Warm-up requests: both text signatures, one sentence and a batch of 8 (first requests then pay no
+# one-time graph optimization or allocation). Any language does: only the work matters.
+WARMUP_TEXTS = ["A man is riding a bike.", "Two dogs play in the snow.", "A little girl climbs the stairs.",
+                "People are walking down a busy city street at night.", "A woman sings on a stage.",
+                "Three children sit on a bench and eat ice cream.", "A cat sleeps.",
+                "A group of workers in orange vests repair the road next to a red truck."]
+WARMUP_BATCHES = [(signature, WARMUP_TEXTS[:n]) for signature in (TEXT_SIGNATURE, GREEDY_SIGNATURE) for n in (1, 8)]
+
 
 def next_version(base: Path) -> int:
     """1 + the highest integer-named subdirectory of `base` (1 if none)."""
@@ -31,25 +49,38 @@ def next_version(base: Path) -> int:
     return max(versions, default=0) + 1
 
 
+def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -> Path:
+    """Writes SAVED_MODEL_DIR/assets.extra/tf_serving_warmup_requests: a TFRecord file of
+    `tensorflow.serving.PredictionLog`s, one predict request per (signature, texts) of `batches`."""
+    path = Path(saved_model_dir) / WARMUP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for signature, texts in batches:
+            log = prediction_log_pb2.PredictionLog()
+            request = log.predict_log.request
+            request.model_spec.name, request.model_spec.signature_name = model_name, signature
+            request.inputs["text"].CopyFrom(tf.make_tensor_proto([t.encode("utf-8") for t in texts],
+                                                                 dtype=tf.string, shape=[len(texts)]))
+            writer.write(log.SerializeToString())
+    return path
+
+
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
            use_cache=True, check_ops=True) -> Path:
     """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION."""
-    from export.translator import from_model_dir
-
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
     version = next_version(base) if version is None else int(version)
     target = base / str(version)
     if target.exists():
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
-    translator, _ = from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
-                                   use_cache=use_cache)
+    translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
+                                           use_cache=use_cache)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
         translator.save(tmp)
+        write_warmup_requests(tmp, name)
         if check_ops:
-            from export.graph_ops import registered_ops, saved_model_ops, unservable_ops
-
             bad = unservable_ops(saved_model_ops(tmp), registered_ops())
             if bad:
                 raise RuntimeError(f"The exported graph has ops tensorflow_model_server cannot run: {bad}")
@@ -64,7 +95,7 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
 def build_parser():
     p = argparse.ArgumentParser(prog="kt-export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", required=True, help="directory written by training.train "
+    p.add_argument("--model-dir", required=True, help="directory written by kt-train "
                    "(model.keras, tokenizer.model, config.json)")
     p.add_argument("--export-dir", required=True, help="TF Serving base directory; writes EXPORT_DIR/NAME/VERSION")
     p.add_argument("--name", default="translator", help="model name (TF Serving's --model_name; default translator)")

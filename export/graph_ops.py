@@ -13,6 +13,7 @@ the server was started with `--xla_cpu_compilation_enabled`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -42,8 +43,7 @@ def registered():
 core = registered()
 import tensorflow_text  # noqa: F401  (registers its ops)
 text = sorted(set(registered()) - set(core))
-mods = sorted(m.split(".")[0] for m in sys.modules)
-json.dump({"core": core, "tensorflow_text": text, "top_level_modules": sorted(set(mods))}, sys.stdout)
+json.dump({"core": core, "tensorflow_text": text}, sys.stdout)
 """
 
 
@@ -83,8 +83,6 @@ def unservable_ops(ops, registered) -> list[str]:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m export.graph_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("saved_model", help="a SavedModel directory (EXPORT_DIR/NAME/VERSION)")

@@ -19,6 +19,13 @@ import os
 import sys
 from pathlib import Path
 
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the SavedModel uses)
+from tqdm import tqdm
+
+from export.client import RestClient
+from keras_transformer.text import split_lines
+
 
 def resolve_saved_model(path) -> Path:
     """A version directory: `path` itself if it holds saved_model.pb, else its highest integer subdirectory."""
@@ -36,18 +43,14 @@ class SavedModelTranslator:
     """Calls a signature of an exported SavedModel in process: list of str/bytes -> (translations, scores)."""
 
     def __init__(self, saved_model, signature="serving_default"):
-        import tensorflow as tf
-        import tensorflow_text  # noqa: F401  (registers the sentencepiece ops)
-
         self.path = resolve_saved_model(saved_model)
         self._loaded = tf.saved_model.load(str(self.path))
         if signature not in self._loaded.signatures:
             raise ValueError(f"{self.path} has no signature {signature!r}; it has {sorted(self._loaded.signatures)}")
         self._fn = self._loaded.signatures[signature]
-        self._tf = tf
 
     def __call__(self, texts):
-        out = self._fn(text=self._tf.constant(list(texts), dtype=self._tf.string))
+        out = self._fn(text=tf.constant(list(texts), dtype=tf.string))
         return ([t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()],
                 out["score"].numpy().tolist())
 
@@ -67,14 +70,6 @@ def translate_lines(translate, lines, batch_size=32, progress=None):
         if progress is not None:
             progress.update(len(idx))
     return out, scores
-
-
-def _read_lines(stream) -> list[bytes]:
-    data = stream.read()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
 
 
 def build_parser():
@@ -100,13 +95,11 @@ def main(argv=None) -> int:
     signature = args.signature or ("greedy" if args.greedy else "serving_default")
     if args.input:
         with open(args.input, "rb") as f:
-            lines = _read_lines(f)
+            lines = split_lines(f.read())
     else:
-        lines = _read_lines(sys.stdin.buffer)
+        lines = split_lines(sys.stdin.buffer.read())
     try:
         if args.server:
-            from export.client import RestClient
-
             translate = RestClient(args.server, args.model_name, signature=signature).translate_with_scores
         else:
             translate = SavedModelTranslator(args.saved_model, signature)
@@ -115,8 +108,6 @@ def main(argv=None) -> int:
         return 2
     progress = None
     if not args.no_progress and len(lines) > args.batch_size:
-        from tqdm import tqdm
-
         progress = tqdm(total=sum(1 for line in lines if line.strip()), unit="sent", file=sys.stderr)
     try:
         translations, scores = translate_lines(translate, lines, args.batch_size, progress)

@@ -1,5 +1,10 @@
-"""`Translator`: a `tf.Module` with the tokenizer, the model and text-in,
-text-out signatures, saved as a SavedModel that TF Serving serves.
+"""The served graph: a trained model directory, loaded, and the `Translator` that exports it.
+
+A model directory (written by `kt-train`) holds `config.json`, `model.keras`
+and `tokenizer.model`; `load_model_dir` reads it. `Translator` is a
+`tf.Module` with the tokenizer, the model and text-in, text-out functions.
+`kt-export` saves it as the SavedModel TF Serving serves, and `kt-evaluate`
+scores the same functions, so the BLEU it prints is the BLEU of the export.
 
 Signatures (all batch-first, dense, so TF Serving's REST row format
 `{"instances": [...]}` works):
@@ -11,12 +16,15 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 - `translate_ids`: `source_ids` int32 `[batch, source_len]` (pieces + end id,
   padded with 0) -> `tokens` int32 `[batch, length]` (end id, then 0),
   `score` float32 `[batch]` (beam search), for clients that tokenize themselves.
+- `tokenize`: `text` -> `source_ids`, the source ids the text signatures decode from.
 
 Inputs are made safe inside the graph: invalid UTF-8 is replaced with U+FFFD
-before tokenization, the source is truncated to the model's maximum source
-length after tokenization (`max_length - 1` pieces + the end id), and empty or
-whitespace-only text decodes like an empty sentence (one string comes back
-for every input).
+before tokenization, every source (text or ids) is truncated to the model's
+maximum source length (`max_length - 1` pieces + the end id), and one string
+comes back for every input. Text with nothing to translate (empty,
+whitespace-only: the tokenizer gives no piece) gets the empty translation ""
+and score 0.0 in the text signatures; the other rows of its batch are
+unaffected.
 
 Variables: the functions capture the `tf.Variable`s inside Keras 3 variables.
 A `tf.Module` that tracks the Keras model instead can give a SavedModel that
@@ -29,17 +37,60 @@ tracks exactly the variables its concrete functions capture (what
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
+import keras
 import tensorflow as tf
 
 import keras_transformer as kt
-from training.pipeline import decode_output, encode_source
+from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source, make_tokenizer
+from keras_transformer.text import read_tokenizer_proto, source_from_pieces
 
-PAD_ID = 0
+# The files of a model directory.
+CONFIG_FILENAME = "config.json"
+MODEL_FILENAME = "model.keras"
+TOKENIZER_FILENAME = "tokenizer.model"
+
 TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
 IDS_SIGNATURE = "translate_ids"
-SIGNATURES = (TEXT_SIGNATURE, GREEDY_SIGNATURE, IDS_SIGNATURE)
+TOKENIZE_SIGNATURE = "tokenize"
+
+
+# ------------------------------------------------------------ model directory
+
+
+def read_config(model_dir) -> dict:
+    """A model directory's config.json; a clear error if it is not one."""
+    path = Path(model_dir) / CONFIG_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {model_dir} a directory written by kt-train?")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def load_model_dir(model_dir, model_file=None, weights=None):
+    """(model, tokenizer, config) from a directory written by kt-train.
+
+    `model_file` picks another .keras file (e.g. averaged.keras); `weights`
+    loads a .weights.h5 checkpoint into the model.
+    """
+    config = read_config(model_dir)
+    path = Path(model_file) if model_file else Path(model_dir) / config.get("model_file", MODEL_FILENAME)
+    if not path.is_file():
+        raise FileNotFoundError(f"Model file {path} not found (train first, or pass --model-file).")
+    model = keras.models.load_model(path, compile=False)
+    if weights:
+        model.load_weights(weights)
+    tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
+    return model, tokenizer, config
+
+
+def tokenizer_path(model_dir, config) -> Path:
+    return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
+
+
+# ----------------------------------------------------------------- translator
 
 
 class Translator(tf.Module):
@@ -47,11 +98,11 @@ class Translator(tf.Module):
 
     Args:
         model: a built `keras_transformer.Transformer`.
-        tokenizer: a `tensorflow_text.SentencepieceTokenizer` (int32 ids, no
-            bos/eos: see `training.tokenizer.make_tokenizer`).
-        start_id, end_id: target start and end ids.
+        tokenizer: a `tensorflow_text.SentencepieceTokenizer` from
+            `keras_transformer.text.make_tokenizer` (its special ids are the
+            start and end ids decoding uses).
         max_source_length: most source tokens, end id included (config.json
-            `max_length`); longer inputs are truncated.
+            `max_length`); longer inputs are truncated. None: no limit.
         beam_size: beam size of `serving_default` and `translate_ids`.
         alpha: length-penalty exponent.
         use_cache: decode over the key/value cache (False: recompute the
@@ -59,10 +110,24 @@ class Translator(tf.Module):
         tokenizer_file: path of the sentencepiece `.model`, shipped in the
             SavedModel's `assets/` for clients (the tokenizer op itself takes
             the model proto as an attribute, so it is also in the graph).
+
+    Functions (each a `tf.function`; `signatures()` names them):
+        translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
+        translate_greedy(text) -> the same, greedy decoding
+        translate_ids(source_ids `[batch, len]`) -> {"tokens": `[batch, length]`, "score": `[batch]`}
+        tokenize(text) -> {"source_ids": `[batch, len]`}
+
+    Example:
+
+    ```python
+    translator = Translator.from_model_dir("runs/en-de", beam_size=4, alpha=1.0)
+    translator.translate(tf.constant(["Two dogs play in the snow."]))["translation"]
+    translator.save("exports/en-de/translator/1")
+    ```
     """
 
-    def __init__(self, model, tokenizer, *, start_id, end_id, max_source_length, beam_size=4, alpha=0.6,
-                 use_cache=True, tokenizer_file=None, name="translator"):
+    def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, alpha=0.6, use_cache=True,
+                 tokenizer_file=None, name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -71,36 +136,32 @@ class Translator(tf.Module):
         self.tokenizer = tokenizer  # tracked: its sentencepiece resource is captured by the functions
         if tokenizer_file is not None:
             self.tokenizer_file = tf.saved_model.Asset(str(tokenizer_file))
-        self.start_id, self.end_id = int(start_id), int(end_id)
         self.max_source_length = None if max_source_length is None else int(max_source_length)
         self.beam_size, self.alpha, self.use_cache = int(beam_size), float(alpha), bool(use_cache)
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
         # the functions capture (see the module docstring). The closures keep it alive.
-
-        def beam(source_ids):
-            return kt.beam_search(model, source_ids, self.start_id, self.end_id, beam_size=self.beam_size,
-                                  alpha=self.alpha, use_cache=self.use_cache)
-
-        def greedy(source_ids):
-            return kt.greedy_decode(model, source_ids, self.start_id, self.end_id, alpha=self.alpha,
-                                    use_cache=self.use_cache)
-
-        self._beam, self._greedy = beam, greedy
+        self._model = lambda: model
 
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
-        self.translate = tf.function(self._translate_text, input_signature=text_spec)
-        self.translate_greedy = tf.function(self._translate_text_greedy, input_signature=text_spec)
+        self.translate = tf.function(self._translate_beam, input_signature=text_spec)
+        self.translate_greedy = tf.function(self._translate_greedy, input_signature=text_spec)
         self.translate_ids = tf.function(
             self._translate_ids, input_signature=[tf.TensorSpec([None, None], tf.int32, name="source_ids")])
         self.tokenize = tf.function(self._tokenize, input_signature=text_spec)
-        functions = [self.translate, self.translate_greedy, self.translate_ids, self.tokenize]
         captured = {}
-        for fn in functions:
+        for fn in (self.translate, self.translate_greedy, self.translate_ids, self.tokenize):
             for v in fn.get_concrete_function().variables:
                 captured.setdefault(id(v), v)
         self.model_variables = list(captured.values())
 
-    # -- graph pieces -----------------------------------------------------
+    @classmethod
+    def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True):
+        """A `Translator` for a directory written by kt-train, with its config's `max_length`."""
+        model, tokenizer, config = load_model_dir(model_dir, model_file, weights)
+        return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
+                   use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config))
+
+    # -- graph pieces: text -> source ids -> search -> text ----------------
 
     def _tokenize(self, text):
         """Strings `[batch]` -> source ids int32 `[batch, len]`: pieces (truncated) + end id, 0-padded."""
@@ -109,19 +170,34 @@ class Translator(tf.Module):
         source = encode_source(self.tokenizer, text, self.max_source_length).to_tensor(PAD_ID)
         return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None])}
 
-    def _text_outputs(self, text, decode):
+    def _beam(self, source_ids):
+        return kt.beam_search(self._model(), source_ids, START_ID, END_ID, beam_size=self.beam_size,
+                              alpha=self.alpha, use_cache=self.use_cache)
+
+    def _greedy(self, source_ids):
+        return kt.greedy_decode(self._model(), source_ids, START_ID, END_ID, alpha=self.alpha,
+                                use_cache=self.use_cache)
+
+    def _translate_text(self, text, decode):
         source = self._tokenize(text)["source_ids"]
         tokens, scores = decode(source)
-        return {"translation": decode_output(self.tokenizer, tokens, self.end_id), "score": tf.reshape(scores, [-1])}
+        # Nothing to translate (the tokenizer gave no piece: the source is only the end id): "" and score 0,
+        # row by row, so the other rows and the batch size are as before.
+        empty = tf.equal(tf.math.count_nonzero(source, axis=1), 1)
+        return {"translation": tf.where(empty, "", decode_output(self.tokenizer, tokens)),
+                "score": tf.where(empty, 0.0, tf.reshape(scores, [-1]))}
 
-    def _translate_text(self, text):
-        return self._text_outputs(text, self._beam)
+    def _translate_beam(self, text):
+        return self._translate_text(text, self._beam)
 
-    def _translate_text_greedy(self, text):
-        return self._text_outputs(text, self._greedy)
+    def _translate_greedy(self, text):
+        return self._translate_text(text, self._greedy)
 
     def _translate_ids(self, source_ids):
-        tokens, scores = self._beam(source_ids)
+        # The same source the text signatures decode: pieces truncated to the limit, then one end id.
+        pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
+        source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
+        tokens, scores = self._beam(source)
         return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1])}
 
     # -- saving -------------------------------------------------------------
@@ -131,28 +207,9 @@ class Translator(tf.Module):
             TEXT_SIGNATURE: self.translate.get_concrete_function(),
             GREEDY_SIGNATURE: self.translate_greedy.get_concrete_function(),
             IDS_SIGNATURE: self.translate_ids.get_concrete_function(),
-            "tokenize": self.tokenize.get_concrete_function(),
+            TOKENIZE_SIGNATURE: self.tokenize.get_concrete_function(),
         }
 
     def save(self, path):
         tf.saved_model.save(self, str(path), signatures=self.signatures())
         return path
-
-
-def from_model_dir(model_dir, *, model_file=None, beam_size=4, alpha=0.6, use_cache=True, max_source_length="config"):
-    """A `Translator` for a directory written by `training.train` (model.keras, tokenizer.model, config.json).
-
-    `max_source_length="config"` takes config.json's `max_length`.
-    """
-    from pathlib import Path
-
-    from training.evaluate import load_trained
-
-    model, tokenizer, cfg = load_trained(model_dir, model_file)
-    if max_source_length == "config":
-        max_source_length = cfg.get("max_length")
-    translator = Translator(
-        model, tokenizer, start_id=cfg["start_id"], end_id=cfg["end_id"], max_source_length=max_source_length,
-        beam_size=beam_size, alpha=alpha, use_cache=use_cache,
-        tokenizer_file=Path(model_dir) / cfg.get("tokenizer_file", "tokenizer.model"))
-    return translator, cfg

@@ -1,15 +1,14 @@
 """The exported SavedModel, tested the way TF Serving uses it.
 
-One small translator is trained (export.quick_model: "tiny" preset, a few
-hundred steps on 2,000 Multi30k pairs, so its outputs end with the end id) and
-exported once per session. TF Serving loads SavedModels with the TF1/C++
+One small translator is trained (conftest's `quick_model_dir`: "tiny" preset, a
+few hundred steps on 2,000 Multi30k pairs, so its outputs end with the end id)
+and exported once per session. TF Serving loads SavedModels with the TF1/C++
 session loader, so the main checks run `tf.compat.v1.saved_model.loader.load`
 in a fresh process that imports only tensorflow and tensorflow_text.
 """
 
 import base64
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,28 +18,21 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
+from conftest import QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
+from conftest import REPO, SUBPROCESS_ENV as ENV
+from conftest import multi30k_lines as _lines
+from conftest import needs_multi30k, run_tf1, write_lines
 from export import graph_ops
 from export.export_model import export, next_version
+from export.translator import load_model_dir
+from keras_transformer.text import END_ID, START_ID, encode_source
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("KT_MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
-MAX_LENGTH = 64  # config.json max_length of the quick model
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
-
-pytestmark = pytest.mark.skipif(not (DATA / "train.en").is_file(), reason=f"Multi30k not found in {DATA}")
-
-
-def _lines(name, n):
-    with open(DATA / name, encoding="utf-8") as f:
-        return [next(f).rstrip("\n") for _ in range(n)]
+pytestmark = needs_multi30k
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    from export.quick_model import build_quick_model_dir
-
-    return build_quick_model_dir(tmp_path_factory.mktemp("quick-en-de"), DATA, lines=2000, vocab_size=400,
-                                 steps=200, max_length=MAX_LENGTH)
+def model_dir(quick_model_dir):
+    return quick_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -49,79 +41,29 @@ def exported(model_dir, tmp_path_factory):
     return export(model_dir, tmp_path_factory.mktemp("exports"), check_ops=False)
 
 
-def _b64(items):
-    return [base64.b64encode(x if isinstance(x, bytes) else x.encode("utf-8")).decode("ascii") for x in items]
-
-
 def _unb64(items):
     return [base64.b64decode(x) for x in items]
 
 
-# Runs in a fresh interpreter: only tensorflow and tensorflow_text, like the model server
-# (which links TensorFlow's and tensorflow-text's kernels and nothing of Python).
-TF1_SCRIPT = r"""
-import base64, json, sys
-import tensorflow as tf
-import tensorflow_text  # noqa: F401  (registers the sentencepiece ops, as TF Serving links them)
-
-path, requests_file = sys.argv[1], sys.argv[2]
-requests = json.load(open(requests_file))
-# (tensorflow imports keras itself for tf.keras; none of the project's Python is imported)
-loaded_python_modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "training", "export", "tf_keras"})
-results = {"loaded_python_modules": loaded_python_modules, "runs": []}
-with tf.compat.v1.Session(graph=tf.Graph()) as sess:
-    meta_graph = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
-    results["signatures"] = sorted(meta_graph.signature_def)
-    for signature_name, texts in requests:
-        sig = meta_graph.signature_def[signature_name]
-        fetches = {k: v.name for k, v in sig.outputs.items()}
-        feed = {sig.inputs["text"].name: [base64.b64decode(t) for t in texts]}
-        out = sess.run(fetches, feed)
-        run = {}
-        for k, v in out.items():
-            if v.dtype == object:
-                run[k] = [base64.b64encode(x).decode("ascii") for x in v.tolist()]
-            else:
-                run[k] = v.tolist()
-            run[k + "_shape"] = list(v.shape)
-        results["runs"].append(run)
-json.dump(results, sys.stdout)
-"""
-
-
-def run_tf1(saved_model, requests, tmp_path):
-    """[(signature, [texts])] -> the outputs of each run, through the TF1 session loader in a fresh process."""
-    req = tmp_path / "requests.json"
-    req.write_text(json.dumps([(sig, _b64(texts)) for sig, texts in requests]))
-    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", TF1_SCRIPT, str(saved_model), str(req)], capture_output=True,
-                          text=True, env=env, cwd=str(tmp_path), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
-
-
 def library_translations(model_dir, texts, beam_size=4):
     """Reference: the Keras model + kt.beam_search/greedy_decode in process, detokenized with the
-    sentencepiece Python package (no export code involved)."""
+    sentencepiece Python package (no Translator involved)."""
     import sentencepiece as spm
 
-    from training.evaluate import load_trained
-    from training.pipeline import encode_source
-
-    model, tokenizer, cfg = load_trained(model_dir)
+    model, tokenizer, cfg = load_model_dir(model_dir)
 
     @tf.function
     def decode(texts):
         source = encode_source(tokenizer, texts, cfg["max_length"]).to_tensor(0)
         if beam_size == 1:
-            return kt.greedy_decode(model, source, cfg["start_id"], cfg["end_id"])
-        return kt.beam_search(model, source, cfg["start_id"], cfg["end_id"], beam_size=beam_size)
+            return kt.greedy_decode(model, source, START_ID, END_ID)
+        return kt.beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
 
     tokens, scores = decode(tf.constant(texts))
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
     out = []
     for row in tokens.numpy().tolist():
-        ids = row[: row.index(cfg["end_id"])] if cfg["end_id"] in row else row
+        ids = row[: row.index(END_ID)] if END_ID in row else row
         out.append(sp.decode([i for i in ids if i != 0]).encode("utf-8"))
     return out, scores.numpy()
 
@@ -176,8 +118,9 @@ def test_tf1_session_loader_serves_text_like_the_library(exported, model_dir, tm
 
     # 4. Bad input: one string and one finite score per input, dense [batch].
     assert bad_out["translation_shape"] == [len(bad)] and bad_out["score_shape"] == [len(bad)]
-    assert all(isinstance(t, bytes) for t in _unb64(bad_out["translation"]))
     assert np.isfinite(bad_out["score"]).all()
+    # Empty and whitespace-only texts are one and the same source (just the end id).
+    assert len(set(_unb64(bad_out["translation"])[:3])) == 1
     # Invalid UTF-8 is translated as its U+FFFD replacement.
     assert _unb64(bad_out["translation"])[4:7] == _unb64(replaced_out["translation"])
     # The 10,000-character input is truncated to max_length source tokens (end id last); empty input is [end].
@@ -423,3 +366,46 @@ def test_grpc_client(stand_in_server):
         assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score"}
     finally:
         client.close()
+
+
+def test_kt_evaluate_scores_the_served_graph(model_dir, exported, tmp_path):
+    """The BLEU kt-evaluate prints is the export's: on 100 test sentences, its hypotheses and BLEU equal
+    those of the SavedModel's serving_default run by the TF1 session loader TF Serving uses."""
+    from keras_transformer.text import read_lines
+    from training.evaluate import main, score
+
+    sources, refs = _lines("test_2016_flickr.en", 100), _lines("test_2016_flickr.de", 100)
+    source, reference = write_lines(tmp_path / "src.en", sources), write_lines(tmp_path / "ref.de", refs)
+    out = tmp_path / "hyp.de"
+    # The export's settings: beam 4, alpha 0.6 (kt-export's and kt-evaluate's defaults).
+    assert main(["--model-dir", str(model_dir), "--source-file", str(source), "--references", str(reference),
+                 "--output", str(out)]) == 0
+    evaluated = json.loads(Path(f"{out}.scores.json").read_text())
+    served = run_tf1(exported, [("serving_default", sources)], tmp_path)["runs"][0]
+    served_hypotheses = [t.decode("utf-8") for t in _unb64(served["translation"])]
+    assert read_lines(out) == served_hypotheses
+    assert evaluated["bleu"] == score(served_hypotheses, refs)["bleu"]
+    assert evaluated["chrf"] == score(served_hypotheses, refs)["chrf"] > 5  # a real, non-empty comparison
+
+
+def test_translate_ids_truncates_the_source_like_the_text_signatures(model_dir, exported):
+    """translate_ids decodes the source the text signatures decode: at most max_length - 1 pieces, then the
+    end id, whatever length the client sends (with or without its end id)."""
+    import sentencepiece as spm
+
+    loaded = tf.saved_model.load(str(exported))
+    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
+    long_text = " ".join(_lines("val.en", 40))
+    pieces = sp.encode(long_text)
+    assert len(pieces) > 4 * MAX_LENGTH
+    short = _lines("val.en", 1)[0]
+    sources = tf.ragged.constant([pieces + [END_ID], sp.encode(short) + [END_ID], pieces]).to_tensor(0)
+    got = loaded.signatures["translate_ids"](source_ids=sources)
+    truncated = loaded.signatures["tokenize"](text=tf.constant([long_text, short, long_text]))["source_ids"]
+    assert truncated.shape[1] == MAX_LENGTH
+    expected = loaded.signatures["translate_ids"](source_ids=truncated)
+    np.testing.assert_array_equal(got["tokens"].numpy(), expected["tokens"].numpy())
+    np.testing.assert_allclose(got["score"].numpy(), expected["score"].numpy(), rtol=1e-5, atol=1e-5)
+    # ... and that is what serving_default translates.
+    text = loaded.signatures["serving_default"](text=tf.constant([long_text]))
+    np.testing.assert_allclose(text["score"].numpy(), expected["score"].numpy()[:1], rtol=1e-5, atol=1e-5)

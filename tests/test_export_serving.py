@@ -8,28 +8,26 @@ skipped elsewhere. The server is started on free ports and queried on
 """
 
 import json
-import os
 import shutil
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import needs_multi30k
+
 SERVER = shutil.which("tensorflow_model_server")
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("KT_MULTI30K_DIR", REPO.parent / "shared" / "data" / "multi30k"))
 MODEL_NAME = "translator"
 
 pytestmark = [
     pytest.mark.skipif(SERVER is None, reason="tensorflow_model_server is not on PATH: TF Serving's model server "
                        "binary (apt package tensorflow-model-server, or the tensorflow/serving Docker image) "
                        "is needed to serve the export for real"),
-    pytest.mark.skipif(not (DATA / "train.en").is_file(), reason=f"Multi30k not found in {DATA}"),
+    needs_multi30k,
 ]
 
 
@@ -40,13 +38,11 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(quick_model_dir, tmp_path_factory):
     """(export base dir, version dir, REST url, gRPC target) of a running model server."""
     from export.export_model import export
-    from export.quick_model import build_quick_model_dir
 
-    model_dir = build_quick_model_dir(tmp_path_factory.mktemp("quick-en-de"), DATA, steps=200)
-    version_dir = export(model_dir, tmp_path_factory.mktemp("exports"), name=MODEL_NAME)
+    version_dir = export(quick_model_dir, tmp_path_factory.mktemp("exports"), name=MODEL_NAME)
     grpc_port, rest_port = _free_port(), _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "wb")
     server = subprocess.Popen(

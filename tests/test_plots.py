@@ -16,14 +16,16 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run directory as training.train writes it, with an untrained tiny model (nothing is trained)."""
+    """A run directory as kt-train writes it, with an untrained tiny model (nothing is trained)."""
     import keras_transformer as kt
-    from training.tokenizer import save_model_proto, train_sentencepiece, vocab_size_of
-    from training.train import MODEL_FILENAME, resolve_config, write_config
+    from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+    from keras_transformer.text import train_sentencepiece, vocab_size_of
+    from training.config import resolve_config, write_config
 
     d = tmp_path_factory.mktemp("plots") / "run"
+    d.mkdir()
     proto = train_sentencepiece(SENTENCES, vocab_size=300)
-    save_model_proto(proto, d)
+    (d / TOKENIZER_FILENAME).write_bytes(proto)
     vocab_size = vocab_size_of(proto)
     model = kt.Transformer.from_preset("tiny", vocab_size=vocab_size)
     model.build()
@@ -79,10 +81,10 @@ def test_history_keeps_the_last_row_of_a_repeated_epoch(tmp_path):
 def test_attention_rows_follow_the_translation(run_dir):
     import numpy as np
 
-    from training.evaluate import load_trained
+    from export.translator import load_model_dir
     from training.plots import translate_with_attention
 
-    model, tokenizer, cfg = load_trained(run_dir)
+    model, tokenizer, cfg = load_model_dir(run_dir)
     source, output, translation, weights = translate_with_attention(model, tokenizer, cfg, SENTENCES[1], 6)
     assert source[-1] == "</s>" and "".join(source[:-1]).replace("\u2581", " ").strip() == SENTENCES[1]
     assert 1 <= len(output) <= 6 and isinstance(translation, str)

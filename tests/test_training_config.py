@@ -2,14 +2,11 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-from training.train import DEFAULTS, resolve_config
-
-REPO = Path(__file__).resolve().parents[1]
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+from conftest import MULTI30K, REPO, needs_multi30k
+from training.config import DEFAULTS, resolve_config
 
 
 def test_config_precedence(tmp_path):
@@ -29,13 +26,13 @@ def test_config_precedence(tmp_path):
         resolve_config(["--config", str(f)])
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+@needs_multi30k
 def test_mixed_precision_training(tmp_path):
     import keras
     import numpy as np
 
     import keras_transformer  # noqa: F401
-    from training.train import train
+    from training.fit import train
 
     src, tgt = tmp_path / "s.en", tmp_path / "s.de"
     for lang, p in (("en", src), ("de", tgt)):
@@ -62,9 +59,9 @@ def test_shipped_multi30k_recipe_parses():
     assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+@needs_multi30k
 def test_time_budget_stops_after_a_whole_epoch(tmp_path):
-    from training.train import train
+    from training.fit import train
 
     src, tgt = tmp_path / "s.en", tmp_path / "s.de"
     for lang, p in (("en", src), ("de", tgt)):
@@ -83,11 +80,11 @@ def test_time_budget_stops_after_a_whole_epoch(tmp_path):
     assert summary["epochs_run"] == [1, 2, 3] and not summary["stopped_by_time_budget"]
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+@needs_multi30k
 def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
     import warnings
 
-    from training.train import train
+    from training.fit import train
 
     src, tgt = tmp_path / "s.en", tmp_path / "s.de"
     for lang, p in (("en", src), ("de", tgt)):

@@ -1,18 +1,14 @@
 """Data sources and bad input: Multi30k TFDS builder, parallel files, clear errors."""
 
 import logging
-import os
-from pathlib import Path
 
 import pytest
 
-from training.data import (DataSpec, check_multi30k_dir, load_text_pairs, read_parallel_files,
-                           resolve_multi30k_dir)
+from conftest import MULTI30K, needs_multi30k
+from training.data import DataSpec, load_text_pairs
 from training.errors import DataError, DataNotFoundError, LineCountMismatchError
-
-REPO = Path(__file__).resolve().parents[1]
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
-needs_multi30k = pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+from training.multi30k import check_multi30k_dir, resolve_multi30k_dir
+from training.text_files import read_parallel_files
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path, caplog):
     src, tgt = tmp_path / "a.en", tmp_path / "b.de"
     src.write_text("one\n\nthree\nfour\n  \n", encoding="utf-8")
     tgt.write_text("eins\nzwei\n\nvier\nfünf\n", encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="training.data"):
+    with caplog.at_level(logging.WARNING, logger="training.text_files"):
         s, t, stats = read_parallel_files(src, tgt)
     assert s == ["one", "four"] and t == ["eins", "vier"]
     assert (stats.lines, stats.kept, stats.empty_skipped) == (5, 2, 3)

@@ -13,12 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+from conftest import MULTI30K, REPO, needs_multi30k
 
 
 def _env(**extra):
@@ -42,7 +40,8 @@ EQUIVALENCE_SCRIPT = textwrap.dedent(
     import tensorflow as tf
     import keras
     import keras_transformer as kt
-    from training.train import DEFAULTS, build_and_compile
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile
 
     V, STEPS, GLOBAL_BATCH = 50, 6, 8
     cfg = dict(DEFAULTS, preset="tiny", model={"dropout": 0.0}, warmup_steps=10)
@@ -152,7 +151,7 @@ def _read_meta(path):
         return None
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+@needs_multi30k
 def test_sigkill_mid_epoch_then_resume(tmp_path):
     src, tgt = _small_corpus(tmp_path)
     model_dir = tmp_path / "run"
@@ -218,7 +217,7 @@ def _free_ports(n):
     return ports
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+@needs_multi30k
 def test_two_worker_multiworker_mirrored(tmp_path):
     src, tgt = _small_corpus(tmp_path, n=300)
     model_dir = tmp_path / "mw"

@@ -2,20 +2,20 @@
 
 import collections
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 import tensorflow as tf
 
-from training.pipeline import bucket_batch_sizes, bucket_boundaries, encode_source, make_batches
-from training.tokenizer import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, load_model_proto, make_tokenizer,
-                                save_model_proto, train_sentencepiece, vocab_size_of)
+from conftest import MULTI30K, needs_multi30k
+from keras_transformer.text import END_ID as EOS_ID
+from keras_transformer.text import PAD_ID, UNK_ID, encode_source, make_tokenizer, read_tokenizer_proto
+from keras_transformer.text import START_ID as BOS_ID
+from keras_transformer.text import train_sentencepiece, vocab_size_of
+from training.pipeline import bucket_batch_sizes, bucket_boundaries, make_batches
 
-REPO = Path(__file__).resolve().parents[1]
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
-pytestmark = pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+pytestmark = needs_multi30k
 
 
 def _lines(name, n=None):
@@ -39,9 +39,11 @@ def test_special_ids_and_vocab(proto, tmp_path):
     assert vocab_size_of(proto) == 1000
     # Joint vocabulary: pieces from both languages.
     assert sp.piece_to_id("▁Ein") != UNK_ID and sp.piece_to_id("▁A") != UNK_ID
-    # Saved next to the model as tokenizer.model, read back byte for byte.
-    path = save_model_proto(proto, tmp_path)
-    assert path.name == "tokenizer.model" and load_model_proto(tmp_path) == proto
+    # Read back byte for byte; a missing file is a clear error.
+    (tmp_path / "tokenizer.model").write_bytes(proto)
+    assert read_tokenizer_proto(tmp_path / "tokenizer.model") == proto
+    with pytest.raises(FileNotFoundError, match="missing.model"):
+        read_tokenizer_proto(tmp_path / "missing.model")
 
 
 def test_tokenizer_round_trip(proto):
@@ -127,3 +129,20 @@ def test_batches_budget_padding_and_ids(proto, corpus, replicas):
         # A leftover batch is trimmed to an even size: at most one pair lost per bucket.
         assert not (got - expected)
         assert sum(expected.values()) - sum(got.values()) <= len(bucket_boundaries(max_len)) + 1
+
+
+@pytest.mark.parametrize("max_length", [6, 8, 40])
+def test_padded_to_bucket_boundaries_for_xla_at_any_max_length(proto, corpus, max_length):
+    """--jit-compile pads every batch to its bucket's boundary; below 8 tokens there is no bucket boundary
+    at all, which once raised IndexError. Every pair that fits max_length is kept, in few shapes."""
+    tok, sp = make_tokenizer(proto), spm.SentencePieceProcessor(model_proto=proto)
+    # The first one to four words of real sentences: pairs of every length around the limit.
+    sources, targets = ([" ".join(line.split()[: 1 + i % 4]) for i, line in enumerate(side[:400])] for side in corpus)
+    pairs = tf.data.Dataset.from_tensor_slices((sources, targets))
+    batches = list(make_batches(pairs, tok, max_length=max_length, tokens_per_batch=8 * max_length, shuffle=False,
+                                pad_to_bucket_boundary=True).as_numpy_iterator())
+    fitting = sum(len(sp.encode(s)) + 1 <= max_length and len(sp.encode(t)) + 1 <= max_length
+                  for s, t in zip(sources, targets))
+    assert fitting > 0 and sum(len(target_out) for _, target_out in batches) == fitting
+    widths = {source.shape[1] for (source, _), _ in batches}
+    assert max(widths) <= max_length and len(widths) <= len(bucket_boundaries(max_length)) + 1

@@ -16,13 +16,18 @@ import re
 import sys
 from pathlib import Path
 
+import keras
+import numpy as np
+
+import keras_transformer  # noqa: F401  (registers the serializable classes model.keras needs)
+from export.translator import MODEL_FILENAME, read_config
+from training.config import CHECKPOINT_DIR
+
 _EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
 
 
 def list_checkpoints(model_dir) -> list[Path]:
     """Epoch checkpoints in epoch order."""
-    from training.train import CHECKPOINT_DIR
-
     d = Path(model_dir) / CHECKPOINT_DIR
     found = [(int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name))]
     return [p for _, p in sorted(found)]
@@ -31,8 +36,6 @@ def list_checkpoints(model_dir) -> list[Path]:
 def average_weights(model, checkpoint_paths) -> None:
     """Loads each checkpoint into `model` and leaves the element-wise mean of all
     model weights (float32 accumulation) in it."""
-    import numpy as np
-
     if not checkpoint_paths:
         raise ValueError("No checkpoints to average")
     total = None
@@ -52,21 +55,16 @@ def main(argv=None) -> int:
     p.add_argument("--output", help="output .keras file (default MODEL_DIR/averaged.keras)")
     args = p.parse_args(argv)
 
-    import keras
-
-    import keras_transformer  # noqa: F401
-    from training.train import load_config
-
-    cfg = load_config(args.model_dir)
+    cfg = read_config(args.model_dir)
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
-        print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / 'checkpoints'}",
+        print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",
               file=sys.stderr)
         return 2
     chosen = checkpoints[-args.last:]
     if len(chosen) < args.last:
         print(f"Only {len(chosen)} checkpoint(s) available; averaging those.")
-    model = keras.models.load_model(Path(args.model_dir) / cfg["model_file"], compile=False)
+    model = keras.models.load_model(Path(args.model_dir) / cfg.get("model_file", MODEL_FILENAME), compile=False)
     average_weights(model, chosen)
     out = Path(args.output) if args.output else Path(args.model_dir) / "averaged.keras"
     model.save(out)

@@ -11,6 +11,10 @@ import json
 import logging
 import os
 
+import tensorflow as tf
+
+from training.errors import ConfigError
+
 log = logging.getLogger("training.distribute")
 
 
@@ -37,8 +41,6 @@ def worker_info() -> tuple[bool, int, int]:
 
 def split_cpu(num_replicas: int) -> None:
     """Splits the (first) physical CPU into `num_replicas` logical devices."""
-    import tensorflow as tf
-
     cpus = tf.config.list_physical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
@@ -66,12 +68,8 @@ def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
     - `grad_accum > 1`: TensorFlow's default strategy on one device (Keras bug, see
       GRAD_ACCUM_UNSUPPORTED); more replicas raise ValueError.
     """
-    import tensorflow as tf
-
     if grad_accum > 1:
         if tf_config() is not None or cpu_replicas > 1 or len(tf.config.list_physical_devices("GPU")) > 1:
-            from training.errors import ConfigError
-
             raise ConfigError(GRAD_ACCUM_UNSUPPORTED)
         # Keras' gradient accumulation works only outside tf.distribute (see above):
         # the default (no-op) strategy, one device.
@@ -103,6 +101,4 @@ def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
 
 
 def has_gpu() -> bool:
-    import tensorflow as tf
-
     return bool(tf.config.list_logical_devices("GPU"))

@@ -3,10 +3,12 @@
     python -m training.evaluate --model-dir runs/en-de --data-dir ../shared/data/multi30k \
         --split test_2016_flickr
 
-Decodes in batches inside a `tf.function` (beam search, beam 4 by default;
-`--beam-size 1` for greedy decoding), detokenizes with the model's
-sentencepiece tokenizer, prints sacreBLEU's corpus BLEU with its signature and
-chrF, writes the hypotheses (one per line, input order) and a JSON of the scores.
+Translates with the functions `kt-export` saves (`export.translator.Translator`:
+tokenize, beam search, detokenize in one `tf.function`; beam 4 by default,
+`--beam-size 1` for greedy decoding), so the scores printed are those of the
+exported model. Prints sacreBLEU's corpus BLEU with its signature and chrF,
+writes the hypotheses (one per line, input order) and a JSON of the scores.
+A progress bar goes to stderr when it is a terminal.
 
 `--hypotheses FILE --references FILE` scores an existing file without decoding.
 """
@@ -20,11 +22,19 @@ import sys
 import time
 from pathlib import Path
 
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from sacrebleu.metrics import BLEU, CHRF
+from tqdm import tqdm
+
+from export.translate import translate_lines
+from export.translator import Translator, read_config
+from keras_transformer.text import read_lines
+from training.data import DataSpec, load_text_pairs
+
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacreBLEU corpus BLEU and chrF (default settings, one reference)."""
-    from sacrebleu.metrics import BLEU, CHRF
-
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu, chrf = BLEU(), CHRF()
@@ -37,83 +47,30 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
     }
 
 
-def _read_lines(path) -> list[str]:
-    with open(path, encoding="utf-8", newline="") as f:
-        lines = f.read().split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
+def translate_all(translator, sources: list[str], beam_size: int = 4, batch_size: int = 64,
+                  progress: bool = False) -> list[str]:
+    """Translates `sources` with a `Translator`'s exported functions, in batches of similar length.
 
-
-def load_trained(model_dir, model_file=None, weights=None):
-    """(model, tokenizer, config) from a directory written by training.train.
-
-    `model_file` picks another .keras file (e.g. averaged.keras); `weights` loads
-    a .weights.h5 checkpoint into the model.
+    Beam search (`serving_default`) when `beam_size > 1`, else `greedy`: the very
+    functions `kt-export` saves, so the BLEU printed is the export's. Returns the
+    hypotheses in input order; a blank source line gives an empty hypothesis.
     """
-    import keras
+    function = translator.translate if beam_size > 1 else translator.translate_greedy
 
-    import keras_transformer  # noqa: F401  (registers the serializable classes)
-    from training.tokenizer import load_model_proto, make_tokenizer
-    from training.train import load_config
+    def translate(batch):
+        out = function(tf.constant(batch))
+        return [t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()], out["score"]
 
-    cfg = load_config(model_dir)
-    path = Path(model_file) if model_file else Path(model_dir) / cfg["model_file"]
-    if not path.is_file():
-        raise FileNotFoundError(f"Model file {path} not found (train first, or pass --model-file).")
-    model = keras.models.load_model(path, compile=False)
-    if weights:
-        model.load_weights(weights)
-    tokenizer = make_tokenizer(load_model_proto(Path(model_dir) / cfg["tokenizer_file"]))
-    return model, tokenizer, cfg
-
-
-def make_translate_fn(model, tokenizer, cfg, beam_size: int = 4, alpha: float = 0.6):
-    """A function: batch of source strings -> batch of detokenized translations (tf.string).
-
-    Tokenization, decoding and detokenization all run in one `tf.function`.
-    """
-    import tensorflow as tf
-
-    import keras_transformer as kt
-    from training.pipeline import decode_output, encode_source
-
-    start_id, end_id = cfg["start_id"], cfg["end_id"]
-    max_length = cfg.get("max_length")
-
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
-    def translate(texts):
-        source = encode_source(tokenizer, texts, max_length).to_tensor(0)
-        # The default output limit is per sentence (its source length + 50), so a
-        # sentence's translation does not depend on the batch it is in.
-        if beam_size > 1:
-            tokens, _ = kt.beam_search(model, source, start_id=start_id, end_id=end_id, beam_size=beam_size,
-                                       alpha=alpha)
-        else:
-            tokens, _ = kt.greedy_decode(model, source, start_id=start_id, end_id=end_id)
-        return decode_output(tokenizer, tokens, end_id)
-
-    return translate
-
-
-def translate_all(translate, sources: list[str], batch_size: int = 64) -> list[str]:
-    """Translates in batches of similar length; returns hypotheses in input order."""
-    import tensorflow as tf
-
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out = [None] * len(sources)
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        result = translate(tf.constant([sources[i] for i in idx])).numpy()
-        for i, text in zip(idx, result):
-            out[i] = text.decode("utf-8", errors="replace")
-    return out
+    bar = tqdm(total=len(sources), unit="sent", file=sys.stderr, disable=not progress)
+    with bar:
+        hypotheses, _ = translate_lines(translate, sources, batch_size, bar)
+    return hypotheses
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="kt-evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="directory written by training.train")
+    p.add_argument("--model-dir", help="directory written by kt-train")
     p.add_argument("--model-file", help="another .keras file to evaluate (e.g. MODEL_DIR/averaged.keras)")
     p.add_argument("--weights", help="a .weights.h5 checkpoint to load into the model")
     p.add_argument("--dataset", help="multi30k | files | TFDS name (default: the one trained on)")
@@ -136,9 +93,7 @@ def _source_and_refs(args, cfg):
     if args.source_file:
         if not args.references:
             raise SystemExit("--source-file needs --references")
-        return _read_lines(args.source_file), _read_lines(args.references)
-    from training.data import DataSpec, load_text_pairs
-
+        return read_lines(args.source_file), read_lines(args.references)
     t = cfg.get("training", {})
     dataset = args.dataset or t.get("dataset", "multi30k")
     if dataset == "files":
@@ -162,13 +117,11 @@ def main(argv=None) -> int:
     if args.hypotheses:
         if not args.references and not args.model_dir:
             raise SystemExit("--hypotheses needs --references (or --model-dir and --split)")
-        hyps = _read_lines(args.hypotheses)
+        hyps = read_lines(args.hypotheses)
         if args.references:
-            refs = _read_lines(args.references)
+            refs = read_lines(args.references)
         else:
-            from training.train import load_config
-
-            _, refs = _source_and_refs(args, load_config(args.model_dir))
+            _, refs = _source_and_refs(args, read_config(args.model_dir))
         scores = score(hyps, refs)
         print_scores(scores)
         if args.output:
@@ -177,16 +130,15 @@ def main(argv=None) -> int:
 
     if not args.model_dir:
         raise SystemExit("--model-dir is required to decode")
-    import tensorflow_datasets as tfds
-
     tfds.disable_progress_bar()
-    model, tokenizer, cfg = load_trained(args.model_dir, args.model_file, args.weights)
+    translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
+                                           beam_size=args.beam_size, alpha=args.alpha)
+    cfg = read_config(args.model_dir)
     sources, refs = _source_and_refs(args, cfg)
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]
-    translate = make_translate_fn(model, tokenizer, cfg, beam_size=args.beam_size, alpha=args.alpha)
     t0 = time.time()
-    hyps = translate_all(translate, sources, args.batch_size)
+    hyps = translate_all(translator, sources, args.beam_size, args.batch_size, progress=sys.stderr.isatty())
     elapsed = time.time() - t0
     dataset = args.dataset or cfg.get("training", {}).get("dataset", "multi30k")
     default_split = "test_2016_flickr" if dataset == "multi30k" else "test"

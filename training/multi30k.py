@@ -11,15 +11,78 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import os
+from pathlib import Path
 
 import tensorflow_datasets as tfds
 from etils import epath
 
-from training.data import (HOW_TO_GET_MULTI30K, MULTI30K_LANGS, MULTI30K_SPLITS, MULTI30K_URL,
-                           check_multi30k_dir, read_parallel_files, resolve_multi30k_dir)
-from training.errors import DataError
+from training.errors import DataError, DataNotFoundError
+from training.text_files import read_parallel_files
 
 log = logging.getLogger("training.multi30k")
+
+MULTI30K_LANGS = ("en", "de", "fr", "cs")
+# Split name used by this project -> file prefix of the raw Multi30k files.
+MULTI30K_SPLITS = {"train": "train", "validation": "val", "test_2016_flickr": "test_2016_flickr"}
+SPLIT_ALIASES = {"val": "validation", "valid": "validation", "dev": "validation", "test": "test_2016_flickr"}
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{prefix}.{lang}.gz"
+MULTI30K_ENV = "KT_MULTI30K_DIR"
+
+HOW_TO_GET_MULTI30K = (
+    "Multi30k is the task-1 raw data of https://github.com/multi30k/dataset "
+    "(data/task1/raw/{train,val,test_2016_flickr}.{en,de,fr,cs}.gz). Download and gunzip "
+    "those files into one directory and pass it with --data-dir DIR or the environment "
+    f"variable {MULTI30K_ENV}=DIR; or, on a machine that is online, omit --data-dir and "
+    "the files are downloaded by the TFDS builder."
+)
+
+
+def _repo_default_multi30k_dir() -> Path:
+    # The repository lives next to ../shared (see Makefile); also try relative to cwd.
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
+
+def resolve_multi30k_dir(data_dir: str | os.PathLike | None = None) -> Path | None:
+    """Where the raw Multi30k files are: `data_dir`, else $KT_MULTI30K_DIR, else
+    ../shared/data/multi30k if it exists, else None (download when online).
+
+    A directory that was asked for explicitly (argument or environment variable)
+    but does not exist raises `DataNotFoundError` saying how to get the data.
+    """
+    explicit = data_dir if data_dir else os.environ.get(MULTI30K_ENV) or None
+    if explicit:
+        path = Path(explicit).expanduser()
+        origin = "--data-dir" if data_dir else f"${MULTI30K_ENV}"
+        if not path.is_dir():
+            raise DataNotFoundError(f"Multi30k data directory {path} (from {origin}) does not exist. {HOW_TO_GET_MULTI30K}")
+        return path
+    for candidate in (Path.cwd().parent / "shared" / "data" / "multi30k", _repo_default_multi30k_dir()):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def canonical_split(split: str) -> str:
+    return SPLIT_ALIASES.get(split, split)
+
+
+def multi30k_files(data_dir: Path, split: str, lang: str) -> Path:
+    split = canonical_split(split)
+    if split not in MULTI30K_SPLITS:
+        raise DataError(f"Unknown Multi30k split {split!r}; choose from {sorted(MULTI30K_SPLITS)}.")
+    return Path(data_dir) / f"{MULTI30K_SPLITS[split]}.{lang}"
+
+
+def check_multi30k_dir(data_dir: Path, langs, splits=tuple(MULTI30K_SPLITS)) -> None:
+    """Raises a clear error if any raw file needed is missing."""
+    missing = [str(multi30k_files(data_dir, s, l)) for s in splits for l in langs
+               if not multi30k_files(data_dir, s, l).is_file()]
+    if missing:
+        raise DataNotFoundError(
+            f"Multi30k directory {data_dir} lacks {len(missing)} file(s): {', '.join(missing)}. "
+            + HOW_TO_GET_MULTI30K)
+
 
 _CITATION = """@inproceedings{elliott-etal-2016-multi30k,
   title = {Multi30K: Multilingual English-German Image Descriptions},

@@ -1,10 +1,6 @@
-"""tf.data input pipeline: tokenize, add start/end ids, cap lengths, batch by
-length buckets under a tokens-per-batch budget, shuffle, prefetch.
+"""tf.data input pipeline: tokenize (`keras_transformer.text.encode_pair`), cap
+lengths, batch by length buckets under a tokens-per-batch budget, shuffle, prefetch.
 
-Sequences (ids from training.tokenizer: pad 0, bos 2, eos 3):
-  source     = pieces(source_text) + [eos]
-  target_in  = [bos] + pieces(target_text)
-  target_out = pieces(target_text) + [eos]
 Batches are `((source, target_in), target_out)` int32, right-padded with 0.
 """
 
@@ -12,39 +8,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from training.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.text import PAD_ID, encode_pair
+from training.errors import ConfigError
 
 DEFAULT_TOKENS_PER_BATCH = 4096
 DEFAULT_MAX_LENGTH = 128
-
-
-def encode_source(tokenizer, texts, max_length: int | None = None):
-    """Source ids for a batch of strings: pieces + [eos], truncated to max_length
-    (eos kept). Returns a `tf.RaggedTensor` [batch, (len)]."""
-    ids = tokenizer.tokenize(texts)
-    if max_length is not None:
-        ids = ids[:, : max_length - 1]
-    eos = tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, ids.dtype))
-    return tf.concat([ids, eos], axis=1)
-
-
-def decode_output(tokenizer, tokens, end_id: int = EOS_ID):
-    """Decoded tokens `[batch, length]` -> strings `[batch]`: everything from the
-    first end id on, and padding, dropped before detokenizing."""
-    before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, end_id), tf.int32), axis=1), 0)
-    keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
-    return tf.reshape(tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1])
-
-
-def _encode_pairs(tokenizer):
-    def encode(src_text, tgt_text):  # scalar strings -> three 1-D int32 tensors
-        src = tf.cast(tokenizer.tokenize(src_text), tf.int32)
-        tgt = tf.cast(tokenizer.tokenize(tgt_text), tf.int32)
-        eos = tf.constant([EOS_ID], tf.int32)
-        bos = tf.constant([BOS_ID], tf.int32)
-        return tf.concat([src, eos], 0), tf.concat([bos, tgt], 0), tf.concat([tgt, eos], 0)
-
-    return encode
 
 
 def bucket_boundaries(max_length: int, min_boundary: int = 8, growth: float = 1.2) -> list[int]:
@@ -61,8 +29,6 @@ def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_r
     rounded down to a multiple of num_replicas (each replica gets the same count)."""
     longest = [b - 1 for b in boundaries] + [max_length]
     if tokens_per_batch < max_length * num_replicas:
-        from training.errors import ConfigError
-
         raise ConfigError(
             f"tokens_per_batch={tokens_per_batch} is smaller than max_length*replicas="
             f"{max_length}*{num_replicas}; raise --tokens-per-batch or lower --max-length.")
@@ -72,38 +38,35 @@ def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_r
 def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
                  tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH, num_replicas: int = 1,
                  shuffle: bool = True, shuffle_buffer: int = 20_000, seed: int | None = 1234,
-                 repeat: bool = False, drop_remainder: bool = False, for_fit: bool = True,
-                 pad_to_bucket_boundary: bool = False):
+                 repeat: bool = False, pad_to_bucket_boundary: bool = False):
     """Turns a dataset of `(source_text, target_text)` into padded, length-bucketed batches.
 
     Pairs whose source or target_in would be longer than `max_length` are dropped.
     The budget holds for padded tokens on each side: batch * padded_len <= tokens_per_batch.
-    With `for_fit`, yields `((source, target_in), target_out)`; else `(source, target_in, target_out)`.
+    Yields `((source, target_in), target_out)`, as `model.fit` takes them.
     `pad_to_bucket_boundary` pads every batch to its bucket's longest length, so
     only a few distinct shapes occur (for XLA, which compiles once per shape).
     """
     ds = pairs
     if shuffle:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.map(_encode_pairs(tokenizer), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.map(lambda source, target: encode_pair(tokenizer, source, target), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.filter(lambda s, ti, to: tf.logical_and(tf.shape(s)[0] <= max_length, tf.shape(ti)[0] <= max_length))
     bounds = bucket_boundaries(max_length)
     sizes = bucket_batch_sizes(bounds, max_length, tokens_per_batch, num_replicas)
     if pad_to_bucket_boundary:
-        # Padding to boundary - 1 needs every length below the last boundary.
-        if bounds[-1] <= max_length:
-            bounds = bounds + [max_length + 1]
-            sizes = sizes + [sizes[-1]]
+        # Padding to boundary - 1 needs every length below the last boundary, and lengths reach
+        # max_length, which no boundary exceeds (there is none at all below 8).
+        bounds, sizes = bounds + [max_length + 1], sizes + [sizes[-1]]
     ds = ds.bucket_by_sequence_length(
         element_length_func=lambda s, ti, to: tf.maximum(tf.shape(s)[0], tf.shape(ti)[0]),
         bucket_boundaries=bounds,
         bucket_batch_sizes=sizes,
         padded_shapes=([None], [None], [None]),
         padding_values=(PAD_ID, PAD_ID, PAD_ID),
-        drop_remainder=drop_remainder,
         pad_to_bucket_boundary=pad_to_bucket_boundary,
     )
-    if num_replicas > 1 and not drop_remainder:
+    if num_replicas > 1:
         # A bucket's leftover batch may not split evenly over the replicas: trim it
         # to a multiple of num_replicas (drops at most num_replicas - 1 pairs per
         # bucket and epoch, different ones each epoch when shuffled).
@@ -116,8 +79,7 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
         ds = ds.shuffle(64, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         ds = ds.repeat()
-    if for_fit:
-        ds = ds.map(lambda s, ti, to: ((s, ti), to))
+    ds = ds.map(lambda s, ti, to: ((s, ti), to))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     # No autotuning thread: deleting an iterator (Keras does, every epoch and every

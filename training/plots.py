@@ -26,6 +26,13 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+import tensorflow as tf
+
+import keras_transformer as kt
+from export.translator import load_model_dir, read_config
+from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source
+
 PAPER_D_MODEL, PAPER_WARMUP_STEPS = 512, 4000
 DPI = 150
 
@@ -58,24 +65,16 @@ def schedule_settings(args) -> tuple[int, int, int | None]:
     """(d_model, warmup_steps, optimizer steps run or None) for the second curve."""
     if not args.model_dir:
         return args.d_model, args.warmup_steps, None
-    from training.train import load_config
-
-    cfg = load_config(args.model_dir)
+    cfg = read_config(args.model_dir)
     steps_run = cfg.get("last_run", {}).get("optimizer_steps")
     return cfg["model_config"]["d_model"], cfg["training"]["warmup_steps"], steps_run
 
 
 def _preset_of(d_model) -> str:
-    from keras_transformer import PRESETS
-
-    return next((f"{name} preset" for name, p in PRESETS.items() if p["d_model"] == d_model), "compared")
+    return next((f"{name} preset" for name, p in kt.PRESETS.items() if p["d_model"] == d_model), "compared")
 
 
 def plot_schedule(args) -> Path:
-    import numpy as np
-
-    from keras_transformer import TransformerSchedule
-
     d_model, warmup, steps_run = schedule_settings(args)
     curves = [(PAPER_D_MODEL, PAPER_WARMUP_STEPS, "paper base")]
     if (d_model, warmup) != (PAPER_D_MODEL, PAPER_WARMUP_STEPS):
@@ -87,7 +86,7 @@ def plot_schedule(args) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for d, w, name in curves:
-        lr = np.asarray(TransformerSchedule(d, w)(steps))
+        lr = np.asarray(kt.TransformerSchedule(d, w)(steps))
         ax.plot(steps, lr, label=f"{name}: d_model {d}, warm-up {w:,} (peak {lr.max():.2e})")
     if steps_run:
         ax.axvline(steps_run, color="gray", linestyle="--", linewidth=1, label=f"end of the run ({steps_run:,} steps)")
@@ -124,7 +123,7 @@ def read_history(path) -> dict[str, list[tuple[int, float]]]:
 def plot_loss(args) -> Path:
     path = Path(args.model_dir) / "history.csv"
     if not path.is_file():
-        raise SystemExit(f"{path} not found: is {args.model_dir} a directory written by training.train?")
+        raise SystemExit(f"{path} not found: is {args.model_dir} a directory written by kt-train?")
     history = read_history(path)
     if "loss" not in history:
         raise SystemExit(f"{path} has no loss column")
@@ -147,9 +146,7 @@ def plot_loss(args) -> Path:
 def _label_smoothing(model_dir):
     """The run's label smoothing (it raises the loss floor above 0), if config.json has it."""
     try:
-        from training.train import load_config
-
-        return load_config(model_dir).get("training", {}).get("label_smoothing")
+        return read_config(model_dir).get("training", {}).get("label_smoothing")
     except FileNotFoundError:
         return None
 
@@ -157,7 +154,7 @@ def _label_smoothing(model_dir):
 # --------------------------------------------------------------- attention
 
 
-def translate_with_attention(model, tokenizer, cfg, text, max_output_length=None):
+def translate_with_attention(model, tokenizer, config, text, max_output_length=None):
     """Greedy translation of `text` and the attention weights of that translation.
 
     Returns (source pieces, output pieces, translation, weights). The decoder
@@ -165,27 +162,19 @@ def translate_with_attention(model, tokenizer, cfg, text, max_output_length=None
     produced output piece t (the end piece included). `weights` is
     `Transformer.attention_scores` for the one sentence (batch of 1).
     """
-    import tensorflow as tf
-
-    import keras_transformer as kt
-    from training.pipeline import decode_output, encode_source
-
-    source = encode_source(tokenizer, tf.constant([text]), cfg.get("max_length")).to_tensor(0)
-    tokens, _ = kt.greedy_decode(model, source, start_id=cfg["start_id"], end_id=cfg["end_id"],
-                                 max_length=max_output_length)
-    output = [t for t in tokens[0].numpy().tolist() if t != kt.PAD_ID]
-    if cfg["end_id"] in output:
-        output = output[: output.index(cfg["end_id"]) + 1]
-    decoder_input = tf.constant([[cfg["start_id"]] + output[:-1]], tf.int32)
+    source = encode_source(tokenizer, tf.constant([text]), config.get("max_length")).to_tensor(PAD_ID)
+    tokens, _ = kt.greedy_decode(model, source, START_ID, END_ID, max_length=max_output_length)
+    output = [t for t in tokens[0].numpy().tolist() if t != PAD_ID]
+    if END_ID in output:
+        output = output[: output.index(END_ID) + 1]
+    decoder_input = tf.constant([[START_ID] + output[:-1]], tf.int32)
     weights = model.attention_scores(source, decoder_input)
-    translation = decode_output(tokenizer, tokens, cfg["end_id"])[0].numpy().decode("utf-8", errors="replace")
+    translation = decode_output(tokenizer, tokens)[0].numpy().decode("utf-8", errors="replace")
     return _pieces(tokenizer, source[0]), _pieces(tokenizer, output), _printable(translation), weights
 
 
 def _pieces(tokenizer, ids):
     """Token ids -> sentencepiece pieces ("▁" marks the start of a word)."""
-    import tensorflow as tf
-
     pieces = tokenizer.id_to_string(tf.cast(tf.convert_to_tensor(ids), tf.int32)).numpy().tolist()
     return [_printable(p.decode("utf-8", errors="replace")) for p in pieces]
 
@@ -206,11 +195,9 @@ def _heatmap(ax, weights, x_labels, y_labels, title, xlabel, ylabel):
 
 
 def plot_attention(args) -> Path:
-    from training.evaluate import load_trained
-
-    model, tokenizer, cfg = load_trained(args.model_dir, args.model_file)
+    model, tokenizer, config = load_model_dir(args.model_dir, args.model_file)
     source, output, translation, weights = translate_with_attention(
-        model, tokenizer, cfg, args.source, args.max_output_length
+        model, tokenizer, config, args.source, args.max_output_length
     )
     layers = len(weights["encoder_self_attention"]), len(weights["decoder_cross_attention"])
     encoder = weights["encoder_self_attention"][args.layer][0].numpy()  # [heads, source, source]

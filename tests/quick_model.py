@@ -1,7 +1,8 @@
-"""A small translator trained in under a minute, laid out like `training.train`'s
-output (model.keras, tokenizer.model, config.json), for tests and benchmarks.
+"""A small translator trained in about a minute, laid out like kt-train's output
+(model.keras, tokenizer.model, config.json): a test fixture (conftest's
+`quick_model_dir`), also used by bench/decode_throughput.py.
 
-    python -m export.quick_model --data-dir ../shared/data/multi30k --model-dir /tmp/quick-en-de
+    python tests/quick_model.py --data-dir ../shared/data/multi30k --model-dir /tmp/quick-en-de
 
 It is a "tiny" Transformer trained for a few hundred steps on the first lines
 of Multi30k: its translations are poor, but they end with the end id like a
@@ -16,57 +17,57 @@ import sys
 import time
 from pathlib import Path
 
+import keras
+import sentencepiece as spm
+import tensorflow as tf
+
+from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+from keras_transformer.text import make_tokenizer, read_lines, train_sentencepiece, vocab_size_of
+from training.config import DEFAULTS, write_config
+from training.fit import build_and_compile
+from training.pipeline import make_batches
+
 
 def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang="de", lines=2000, vocab_size=400,
                           steps=300, preset="tiny", learning_rate=3e-3, max_length=64, tokens_per_batch=1024,
                           seed=1234) -> Path:
     """Trains a sentencepiece vocabulary and a small model on the first `lines` Multi30k training
     pairs and saves them with training's own functions. Returns `model_dir`."""
-    import keras
-    import tensorflow as tf
-
-    from training import train as training_train
-    from training.data import read_parallel_files
-    from training.pipeline import make_batches
-    from training.tokenizer import make_tokenizer, save_model_proto, train_sentencepiece, vocab_size_of
-
     # First: seeding clears TensorFlow's kernel caches, which destroys the kernel-owned
     # sentencepiece resource of any tokenizer created before it.
     keras.utils.set_random_seed(seed)
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     data_dir = Path(data_dir)
-    sources, targets, _ = read_parallel_files(data_dir / f"train.{source_lang}", data_dir / f"train.{target_lang}")
-    sources, targets = sources[:lines], targets[:lines]
-
-    import sentencepiece as spm
+    sources = read_lines(data_dir / f"train.{source_lang}")[:lines]
+    targets = read_lines(data_dir / f"train.{target_lang}")[:lines]
 
     spm.set_random_generator_seed(seed)
     proto = train_sentencepiece(sources + targets, vocab_size)
-    save_model_proto(proto, model_dir)
+    (model_dir / TOKENIZER_FILENAME).write_bytes(proto)
     tokenizer = make_tokenizer(proto)
     vocab = vocab_size_of(proto)
 
-    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in training_train.DEFAULTS.items()}
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
     cfg.update(preset=preset, source_lang=source_lang, target_lang=target_lang, model_dir=str(model_dir),
                vocab_size=vocab_size, max_length=max_length, tokens_per_batch=tokens_per_batch, seed=seed,
                steps_per_epoch=steps, epochs=1, dataset="files", validation=False)
     pairs = tf.data.Dataset.from_tensor_slices((sources, targets))
     batches = make_batches(pairs, tokenizer, max_length=max_length, tokens_per_batch=tokens_per_batch,
                            shuffle=True, seed=seed, repeat=True)
-    model = training_train.build_and_compile(cfg, vocab, optimizer=keras.optimizers.Adam(learning_rate))
+    model = build_and_compile(cfg, vocab, optimizer=keras.optimizers.Adam(learning_rate))
     t0 = time.time()
     history = model.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)  # the dataset shuffles itself
     summary = {"optimizer_steps": steps, "final_loss": float(history.history["loss"][-1]),
                "seconds": round(time.time() - t0, 1), "quick_model": {"lines": lines, "learning_rate": learning_rate}}
-    model.save(model_dir / training_train.MODEL_FILENAME)
-    training_train.write_config(cfg, model_dir, vocab, model, "float32", extra={"last_run": summary})
+    model.save(model_dir / MODEL_FILENAME)
+    write_config(cfg, model_dir, vocab, model, "float32", extra={"last_run": summary})
     return model_dir
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    p = argparse.ArgumentParser(prog="python -m export.quick_model", description=__doc__,
+    p = argparse.ArgumentParser(prog="python tests/quick_model.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="../shared/data/multi30k", help="raw Multi30k directory")
     p.add_argument("--model-dir", required=True)

@@ -1,0 +1,85 @@
+"""The Keras callbacks kt-train adds to `model.fit`: resumable backups and a time budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import keras
+
+from training.keras_internals import BackupAndRestoreState
+
+
+class ResumableBackup(BackupAndRestoreState):
+    """`keras.callbacks.BackupAndRestore` that also records the optimizer step, reports where it
+    resumed, and writes each backup atomically.
+
+    A kill at any moment leaves a complete (weights, metadata) pair: the new one
+    or the previous one. `resumed` holds the metadata a run resumed from (None
+    for a fresh start).
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch"):
+        super().__init__(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
+        self.resumed = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if self.metadata_path.exists():
+            meta = json.loads(self.metadata_path.read_text())
+            self.resumed = meta
+            self.current_epoch = meta["epoch"]
+            print(f"[kt-train] resumed from backup: epoch {meta['epoch'] + 1} "
+                  f"(backup taken after batch {meta.get('batch', 0)} of it), "
+                  f"optimizer step {int(self.model.optimizer.iterations.numpy())}", flush=True)
+        else:
+            print("[kt-train] no backup found: starting at epoch 1, optimizer step 0", flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def save_backup(self):
+        # Like Keras' own, but both files are written under temporary names and renamed into place.
+        self.weights_path.parent.mkdir(parents=True, exist_ok=True)
+        for current, previous in self.previous_paths:
+            if current.exists():
+                shutil.copyfile(current, f"{previous}.tmp")
+                os.replace(f"{previous}.tmp", previous)
+        tmp_weights = self.weights_path.with_name("tmp-" + self.weights_path.name)
+        self.model.save_weights(str(tmp_weights), overwrite=True)
+        meta = {"epoch": self.current_epoch, "batch": self.last_batch_seen,
+                "step": int(self.model.optimizer.iterations.numpy())}
+        tmp_meta = self.metadata_path.with_name("tmp-" + self.metadata_path.name)
+        tmp_meta.write_text(json.dumps(meta))
+        os.replace(tmp_weights, self.weights_path)
+        os.replace(tmp_meta, self.metadata_path)
+
+
+class TimeBudget(keras.callbacks.Callback):
+    """Ends `fit` after the last whole epoch that fits in `max_minutes` of this process's training time.
+
+    Epochs are never cut short (checkpoints stay whole epochs, so averaging
+    still works): after each epoch, training stops if one more epoch of the
+    mean length so far would pass the budget. `stopped_after` is the last epoch
+    run (1-based) when the budget stopped training, else None.
+    """
+
+    def __init__(self, max_minutes: float):
+        super().__init__()
+        self.max_minutes = max_minutes
+        self.stopped_after = None
+
+    def on_train_begin(self, logs=None):
+        self.t0, self.epochs_done, self.stopped_after = time.time(), 0, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs_done += 1
+        elapsed = time.time() - self.t0
+        if elapsed + elapsed / self.epochs_done > self.max_minutes * 60:
+            self.model.stop_training = True
+            self.stopped_after = epoch + 1
+            print(f"[kt-train] time budget: stopping after epoch {epoch + 1} "
+                  f"({elapsed / 60:.1f} of {self.max_minutes:g} minutes used; another epoch would not fit)",
+                  flush=True)

@@ -1,0 +1,167 @@
+"""Training settings: their defaults, the kt-train flags that set them, and the config.json a run writes.
+
+A setting comes from, in increasing priority: `DEFAULTS`, a JSON file given
+with `--config` (any key of `DEFAULTS`, plus "model": {Transformer
+arguments}), and the command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from export.translator import CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
+from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID
+
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
+
+# Training settings and their defaults (a JSON config file may set any of these,
+# plus "model": {Transformer constructor overrides}).
+DEFAULTS = {
+    "preset": "small",
+    "model": {},
+    "dataset": "multi30k",
+    "data_dir": None,
+    "tfds_data_dir": None,
+    "train_files": None,
+    "valid_files": None,
+    "source_lang": "en",
+    "target_lang": "de",
+    "model_dir": "runs/model",
+    "tokenizer": None,
+    "vocab_size": 8000,
+    "tokens_per_batch": 4096,
+    "max_length": 128,
+    "warmup_steps": 4000,
+    "label_smoothing": 0.1,
+    "epochs": 10,
+    "max_minutes": None,
+    "steps_per_epoch": None,
+    "validation": True,
+    "max_train_examples": None,
+    "max_eval_examples": None,
+    "mixed_precision": False,
+    "jit_compile": False,
+    "grad_accum": 1,
+    "cpu_replicas": 1,
+    "seed": 1234,
+    "backup_every": None,
+    "shuffle_buffer": 20000,
+    "verbose": "auto",
+}
+
+DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
+
+    kt-train --config configs/multi30k.json --source-lang en --target-lang de --model-dir runs/en-de
+
+Writes to --model-dir: tokenizer.model (sentencepiece proto), config.json
+(langs, ids, vocabulary, model and training settings), model.keras (final
+model), checkpoints/epoch-NNN.weights.h5 (one per epoch, for averaging),
+backup/ (BackupAndRestore, removed when training finishes), logs/
+(TensorBoard) and history.csv.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kt-train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="JSON file with any of the settings below (keys with underscores) "
+                   "and \"model\": {Transformer arguments}. Command-line flags override it.")
+    p.add_argument("--preset", help="model size: tiny | small | base | big (default small)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", dest="model_args",
+                   help="override a Transformer argument, e.g. --model-arg dropout=0.3 (repeatable)")
+    p.add_argument("--dropout", type=float, help="shortcut for --model-arg dropout=X")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", help="multi30k (default) | files | a TFDS name, e.g. ted_hrlr_translate/pt_to_en")
+    g.add_argument("--data-dir", help="raw Multi30k directory (default: $KT_MULTI30K_DIR, else "
+                   "../shared/data/multi30k, else download)")
+    g.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets (default $KT_TFDS_DIR or ~/tensorflow_datasets)")
+    g.add_argument("--train-files", nargs=2, metavar=("SOURCE", "TARGET"), help="parallel text files (implies --dataset files)")
+    g.add_argument("--valid-files", nargs=2, metavar=("SOURCE", "TARGET"), help="validation text files for --dataset files")
+    g.add_argument("--source-lang")
+    g.add_argument("--target-lang")
+    g.add_argument("--max-train-examples", type=int, help="use only the first N training pairs (quick runs)")
+    g.add_argument("--max-eval-examples", type=int, help="use only the first N validation pairs")
+    g.add_argument("--no-validation", dest="validation", action="store_false", help="skip the validation loss")
+    g = p.add_argument_group("tokenizer and batches")
+    g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
+    g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
+    g.add_argument("--tokens-per-batch", type=int, help="token budget per batch and side (default 4096; paper ~25000)")
+    g.add_argument("--max-length", type=int, help="drop training pairs longer than this many tokens (default 128)")
+    g.add_argument("--shuffle-buffer", type=int)
+    g = p.add_argument_group("training")
+    g.add_argument("--model-dir", help="output directory (default runs/model)")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
+    g.add_argument("--max-minutes", type=float,
+                   help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
+    g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
+    g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
+    g.add_argument("--mixed-precision", action="store_true", help="mixed_bfloat16 on CPU, mixed_float16 on GPU")
+    g.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
+    g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
+    g.add_argument("--backup-every", type=int, help="BackupAndRestore every N steps (default: every epoch)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--verbose", type=int, help="Keras fit verbosity (0, 1 progress bar, 2 one line per epoch)")
+    return p
+
+
+def resolve_config(argv=None) -> dict:
+    """The settings of a run: DEFAULTS, overridden by the --config file, overridden by the flags in `argv`."""
+    args = vars(build_parser().parse_args(argv))
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    if "config" in args:
+        with open(args.pop("config"), encoding="utf-8") as f:
+            file_cfg = json.load(f)
+        unknown = set(file_cfg) - set(DEFAULTS)
+        if unknown:
+            raise SystemExit(f"Unknown keys in config file: {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        model = {**cfg["model"], **file_cfg.pop("model", {})}
+        cfg.update(file_cfg)
+        cfg["model"] = model
+    for kv in args.pop("model_args", []):
+        key, _, value = kv.partition("=")
+        try:
+            cfg["model"][key] = json.loads(value)
+        except json.JSONDecodeError:
+            cfg["model"][key] = value
+    if "dropout" in args:
+        cfg["model"]["dropout"] = args.pop("dropout")
+    cfg.update(args)
+    if cfg.get("train_files"):
+        cfg["dataset"] = "files"
+    return cfg
+
+
+def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
+    """Writes MODEL_DIR/config.json atomically (export.translator.read_config reads it)."""
+    out = {
+        "source_lang": cfg["source_lang"],
+        "target_lang": cfg["target_lang"],
+        "vocab_size": vocab_size,
+        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
+        "start_id": START_ID, "end_id": END_ID,
+        "source_format": "sentencepiece pieces + [eos_id]",
+        "target_format": "decoder input [bos_id] + pieces; output pieces + [eos_id]",
+        "max_length": cfg["max_length"],
+        "tokenizer_file": TOKENIZER_FILENAME,
+        "model_file": MODEL_FILENAME,
+        "checkpoint_dir": CHECKPOINT_DIR,
+        "preset": cfg["preset"],
+        "model_config": {k: v for k, v in model.get_config().items()
+                         if k not in ("name", "trainable", "dtype")},
+        "dtype_policy": policy,
+        "training": {k: v for k, v in cfg.items() if k != "model"},
+    }
+    if extra:
+        out.update(extra)
+    path = Path(model_dir) / CONFIG_FILENAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=2, default=str))
+    os.replace(tmp, path)
+    return path

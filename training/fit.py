@@ -1,0 +1,221 @@
+"""The fit: parallel text -> tokenizer -> batches -> `model.fit` under tf.distribute -> a model directory.
+
+`train(cfg)` runs a whole kt-train run from a resolved configuration
+(`training.config.resolve_config`); `build_and_compile` is the model and
+compile step alone (benchmarks use it to compile exactly as training does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import keras
+import numpy as np
+import sentencepiece as spm
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import keras_transformer as kt
+from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+from keras_transformer.text import (check_special_ids, make_tokenizer, read_tokenizer_proto, train_sentencepiece,
+                                    vocab_size_of)
+from training.callbacks import ResumableBackup, TimeBudget
+from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
+from training.data import DataSpec, iterate_text, load_text_pairs
+from training.distribute import has_gpu, make_strategy, worker_info
+from training.errors import ConfigError
+from training.keras_internals import build_fit_state_now, rank1_step_logs
+from training.pipeline import make_batches
+
+log = logging.getLogger("training.fit")
+
+
+def data_spec(cfg) -> DataSpec:
+    """The DataSpec of a configuration; `--dataset files` needs --train-files."""
+    files = None
+    if cfg["dataset"] == "files":
+        if not cfg.get("train_files"):
+            raise ConfigError("--dataset files needs --train-files SOURCE TARGET")
+        files = {"train": tuple(cfg["train_files"])}
+        if cfg.get("valid_files"):
+            files["validation"] = tuple(cfg["valid_files"])
+    return DataSpec(dataset=cfg["dataset"], source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
+                    data_dir=cfg["data_dir"], tfds_data_dir=cfg["tfds_data_dir"], files=files)
+
+
+def _wait_for(path: Path, timeout: float = 600.0) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"Waited {timeout:.0f}s for the chief to write {path}")
+        time.sleep(0.5)
+
+
+def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> bytes:
+    """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text."""
+    path = model_dir / TOKENIZER_FILENAME
+    if cfg.get("tokenizer"):
+        proto = read_tokenizer_proto(cfg["tokenizer"])
+        check_special_ids(proto)
+        if is_chief:
+            path.write_bytes(proto)
+        return proto
+    if path.exists():
+        log.info("Using the existing tokenizer %s", path)
+        return read_tokenizer_proto(path)
+    if not is_chief:  # every worker must use the chief's vocabulary
+        _wait_for(path)
+        return read_tokenizer_proto(path)
+    spm.set_random_generator_seed(cfg["seed"])
+    t0 = time.time()
+    try:
+        proto = train_sentencepiece(iterate_text(train_pairs, limit=2_000_000), cfg["vocab_size"])
+    except ValueError as e:
+        raise ConfigError(f"{e} (--vocab-size)") from e
+    tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
+    tmp.write_bytes(proto)
+    os.replace(tmp, path)  # atomic: other workers wait for this file
+    log.info("Trained a joint sentencepiece vocabulary in %.1fs -> %s", time.time() - t0, path)
+    return proto
+
+
+def build_model(cfg, vocab_size: int):
+    return kt.Transformer.from_preset(cfg["preset"], vocab_size=vocab_size, **cfg["model"])
+
+
+def compile_model(model, cfg, optimizer=None):
+    kwargs = {}
+    if cfg["grad_accum"] and cfg["grad_accum"] > 1:
+        kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
+    if optimizer is None:
+        optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], **kwargs)
+    model.compile(
+        optimizer=optimizer,
+        loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"]),
+        metrics=[kt.MaskedAccuracy()],
+        jit_compile=bool(cfg["jit_compile"]),
+    )
+    return model
+
+
+def build_and_compile(cfg, vocab_size: int, optimizer=None):
+    """Model + optimizer + loss, built (variables created) in the current strategy scope."""
+    model = build_model(cfg, vocab_size)
+    dummy = np.ones((1, 2), "int32")
+    model((dummy, dummy))
+    compile_model(model, cfg, optimizer)
+    model.optimizer.build(model.trainable_variables)
+    build_fit_state_now(model, ((dummy, dummy), dummy))
+    return model
+
+
+def set_precision(cfg) -> str:
+    policy = "float32"
+    if cfg["mixed_precision"]:
+        policy = "mixed_float16" if has_gpu() else "mixed_bfloat16"
+    keras.mixed_precision.set_global_policy(policy)
+    return policy
+
+
+def train(cfg: dict, strategy=None) -> dict:
+    """Runs training as configured; returns a summary dict (also printed as JSON)."""
+    if strategy is None:
+        strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
+    tfds.disable_progress_bar()
+    is_chief, task_index, num_workers = worker_info()
+    model_dir = Path(cfg["model_dir"])
+    model_dir.mkdir(parents=True, exist_ok=True)
+    # Non-chief workers write their (identical) checkpoints/backups/logs aside.
+    out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keras.utils.set_random_seed(cfg["seed"])
+
+    spec = data_spec(cfg)
+    train_pairs = load_text_pairs(spec, "train", max_examples=cfg["max_train_examples"])
+    proto = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
+    tokenizer = make_tokenizer(proto)
+    vocab_size = vocab_size_of(proto)
+    replicas = strategy.num_replicas_in_sync
+    batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=cfg["tokens_per_batch"],
+                      num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
+    steps = cfg["steps_per_epoch"]
+    train_ds = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
+                            seed=cfg["seed"], repeat=bool(steps), **batch_args)
+    val_ds = None
+    if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
+        val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
+        val_ds = make_batches(val_pairs, tokenizer, shuffle=False, **batch_args)
+
+    previous_policy = keras.mixed_precision.global_policy()
+    policy = set_precision(cfg)
+    try:
+        return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
+                    train_ds, val_ds, steps, replicas)
+    finally:
+        keras.mixed_precision.set_global_policy(previous_policy)
+
+
+def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
+         train_ds, val_ds, steps, replicas) -> dict:
+    with strategy.scope():
+        model = build_and_compile(cfg, vocab_size)
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if multi_worker:
+        rank1_step_logs(model)
+    if is_chief:
+        write_config(cfg, model_dir, vocab_size, model, policy)
+    strategy_name = "MultiWorkerMirroredStrategy" if multi_worker else type(strategy).__name__.lstrip("_")
+    print(f"[kt-train] {replicas} replica(s) ({strategy_name}, worker {task_index + 1}/{num_workers}), "
+          f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
+          flush=True)
+
+    backup = ResumableBackup(out_dir / "backup", cfg["backup_every"] or "epoch")
+    callbacks = [
+        backup,
+        keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
+                                        save_weights_only=True, save_freq="epoch"),
+        keras.callbacks.TensorBoard(log_dir=str(out_dir / "logs")),
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
+    ]
+    budget = None
+    if cfg.get("max_minutes"):
+        if num_workers > 1:
+            # Each worker would decide on its own clock; one stopping alone would hang the others.
+            raise ConfigError("--max-minutes is not supported with more than one worker; set --epochs instead")
+        budget = TimeBudget(cfg["max_minutes"])
+        callbacks.append(budget)
+    t0 = time.time()
+    with warnings.catch_warnings():
+        # Bucketed batches have no length known in advance, so Keras learns the epoch's
+        # length by running out of data once, and warns as if that were a mistake.
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
+        history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
+                            callbacks=callbacks, verbose=cfg["verbose"], shuffle=False)
+    elapsed = time.time() - t0
+    summary = {
+        "epochs_run": [e + 1 for e in history.epoch],
+        "resumed_from": backup.resumed,
+        "optimizer_steps": int(model.optimizer.iterations.numpy()),
+        "final_loss": history.history["loss"][-1] if history.history.get("loss") else None,
+        "seconds": round(elapsed, 1),
+        "replicas": replicas,
+        "stopped_by_time_budget": bool(budget and budget.stopped_after),
+    }
+    losses = history.history.get("loss") or [0.0]
+    if not all(l == l and abs(l) != float("inf") for l in losses):  # TerminateOnNaN stopped the run
+        summary["nan_loss"] = True
+        print("[kt-train] stopped: the loss became NaN/inf; model.keras not written "
+              "(epoch checkpoints before it are in checkpoints/)", flush=True)
+        return summary
+    if is_chief:
+        model.save(model_dir / MODEL_FILENAME)
+        write_config(cfg, model_dir, vocab_size, model, policy, extra={"last_run": summary})
+    print("[kt-train] done " + json.dumps(summary), flush=True)
+    return summary

@@ -1,0 +1,94 @@
+"""Every use of private Keras API in the project, in one place.
+
+Written for Keras 3.15 (setup.py pins `keras>=3.15,<3.16`): on a Keras
+upgrade, recheck each use below against Keras' source and its tests
+(tests/test_training_*.py exercise all of them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import tensorflow as tf
+
+
+def build_fit_state_now(model, data_batch) -> None:
+    """Builds the compiled loss and metrics from `data_batch` and turns off fit()'s own pre-build.
+
+    Keras 3.15, `Trainer._symbolic_build` / `Trainer._maybe_symbolic_build`:
+    under tf.distribute, fit() would build them from its first batch reduced with
+    strategy.reduce("MEAN"), which turns int token ids into floats, and under
+    MultiWorkerMirroredStrategy that all-reduce fails outright when workers'
+    batches differ in shape (PerReplica conversion error). Building here, from an
+    int batch, and skipping the pre-build avoids both (and saves a batch).
+    """
+    symbolic_build = getattr(model, "_symbolic_build", None)
+    if symbolic_build is not None and hasattr(model, "_maybe_symbolic_build"):
+        symbolic_build(data_batch=data_batch)
+        model._maybe_symbolic_build = lambda *args, **kwargs: None
+
+
+def rank1_step_logs(model) -> None:
+    """Makes fit() work under MultiWorkerMirroredStrategy (Keras 3.15's trainer).
+
+    fit() averages each step's logs across workers with
+    `strategy.reduce("MEAN", v, axis=0)`, which fails on the scalar loss and
+    metric values ("Invalid reduction dimension 0 for input with 0
+    dimensions"). Returning them with shape [1] from the step makes that
+    reduction the mean over workers, a scalar again.
+    """
+
+    def rank1(step):
+        def wrapped(data):
+            return {k: tf.reshape(v, [1]) for k, v in step(data).items()}
+
+        return wrapped
+
+    model.train_step = rank1(model.train_step)
+    model.test_step = rank1(model.test_step)
+
+
+class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
+    """`keras.callbacks.BackupAndRestore` with its private state (Keras 3.15) under public names.
+
+    `save_backup()` replaces the private `_save_model()` that Keras calls to
+    write a backup; subclasses override `save_backup` and read the paths and
+    counters below.
+    """
+
+    @property
+    def weights_path(self) -> Path:
+        return Path(self._weights_path)
+
+    @property
+    def metadata_path(self) -> Path:
+        return Path(self._training_metadata_path)
+
+    @property
+    def previous_paths(self) -> list[tuple[Path, Path]]:
+        """(current, previous) pairs for the weights and the metadata, when `double_checkpoint` is on."""
+        if not self.double_checkpoint:
+            return []
+        return [(self.weights_path, Path(self._prev_weights_path)),
+                (self.metadata_path, Path(self._prev_training_metadata_path))]
+
+    @property
+    def current_epoch(self) -> int:
+        return self._current_epoch
+
+    @current_epoch.setter
+    def current_epoch(self, epoch: int) -> None:
+        # Keras 3.15 leaves this at 0 after a resume until the first epoch ends, so a second
+        # crash during the resumed epoch would record (and restart at) epoch 0.
+        self._current_epoch = epoch
+
+    @property
+    def last_batch_seen(self) -> int:
+        return self._last_batch_seen
+
+    def _save_model(self):
+        self.save_backup()
+
+    def save_backup(self):
+        super()._save_model()
