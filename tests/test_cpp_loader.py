@@ -1,0 +1,206 @@
+"""The export loaded and run by TensorFlow's C++ API, the way TF Serving runs it.
+
+tensorflow_model_server is C++: it links tensorflow-text's ops, loads a version with
+`tensorflow::LoadSavedModel`, replays `assets.extra/tf_serving_warmup_requests`, then calls
+`Session::Run` from many threads on one session. tests/cpp/serving_check.cc does the same with the
+C++ library of the installed TensorFlow wheel. It is compiled here with g++ (tests skip without it)
+into build/cpp/, once per source and TensorFlow version, and its answers are compared byte for byte
+with the Python TF1 session loader's (conftest's `run_tf1`).
+"""
+
+import base64
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+import tensorflow_text
+
+from conftest import REPO, SUBPROCESS_ENV, multi30k_lines, needs_multi30k, run_tf1
+from export.export_model import WARMUP_BATCHES, WARMUP_FILE, export
+
+pytestmark = needs_multi30k
+
+SOURCE = REPO / "tests" / "cpp" / "serving_check.cc"
+BUILD_DIR = REPO / "build" / "cpp"
+OPS_DIR = Path(tensorflow_text.__file__).parent / "python" / "ops"  # tensorflow-text's op libraries
+TEXT_SIGNATURES = ("serving_default", "greedy")
+LONG_TEXT = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
+HOSTILE = ["", " ", "\t \n ", LONG_TEXT, b"\xff\xfe\xfd", b"ok \x80 bytes", "a\x00b", "\x00"]
+
+
+def build_serving_check(build_dir=BUILD_DIR) -> Path:
+    """serving_check compiled against the installed TensorFlow wheel; built once, named by a hash of its
+    source, the TensorFlow version and the command. Skips the calling test when g++ is missing."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("No C++ compiler: g++ is not on PATH (install the g++ package, e.g. apt-get install g++)")
+    tf_dir = Path(tf.__file__).parent
+    # The wheel's compile flags (headers, C++ ABI, Eigen alignment). Linking: tensorflow_framework alone
+    # (what tf.sysconfig suggests) lacks the session factory ("No session factory registered"), so
+    # libtensorflow_cc too; the wheel has only the versioned names, hence -l:.
+    flags = [*tf.sysconfig.get_compile_flags(), "-O1", "-w"]
+    libs = [f"-L{tf_dir}", "-Wl,--no-as-needed", "-l:libtensorflow_cc.so.2", "-l:libtensorflow_framework.so.2",
+            f"-Wl,-rpath,{tf_dir}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([tf.__version__, *flags, *libs]).encode()).hexdigest()
+    binary = Path(build_dir) / f"serving_check-{key[:16]}"
+    if not binary.exists():
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        tmp = binary.with_name(f"{binary.name}.tmp-{os.getpid()}")  # renamed when complete
+        proc = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), *libs], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        os.replace(tmp, binary)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def serving_check():
+    return build_serving_check()
+
+
+@pytest.fixture(scope="module")
+def exported(quick_model_dir, tmp_path_factory):
+    return export(quick_model_dir, tmp_path_factory.mktemp("cpp-exports"), check_ops=False)
+
+
+def run_serving_check(binary, saved_model, tmp_path, requests=(), *, warmup=False, threads=0):
+    """[(signature, [texts])] through serving_check -> (its runs, in order, and its "concurrent" summary)."""
+    lines = []
+    for i, (signature, texts) in enumerate(requests):
+        lines.append(f"{i} {signature} {len(texts)}")
+        lines += [(t if isinstance(t, bytes) else t.encode("utf-8")).hex() for t in texts]
+    (tmp_path / "requests.txt").write_text("".join(line + "\n" for line in lines))
+    args = [str(binary), str(saved_model), str(OPS_DIR), "--requests", str(tmp_path / "requests.txt")]
+    args += ["--warmup"] * warmup + ["--threads", str(threads)] * bool(threads)
+    proc = subprocess.run(args, capture_output=True, env=SUBPROCESS_ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-4000:]
+    results = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    concurrent = [r["concurrent"] for r in results if "concurrent" in r]
+    return [r for r in results if "concurrent" not in r], (concurrent[0] if concurrent else None)
+
+
+def outputs(run):
+    """The outputs of one run as serving_check writes them: strings in hex, float32 bits in hex."""
+    return {k: v for k, v in run.items() if k not in ("label", "signature")}
+
+
+def tf1_outputs(run):
+    """A conftest.run_tf1 run (base64 strings, floats) in serving_check's form."""
+    return {"translation": [base64.b64decode(t).hex() for t in run["translation"]],
+            "translation_shape": run["translation_shape"],
+            "score": [struct.pack(">f", s).hex() for s in run["score"]], "score_shape": run["score_shape"]}
+
+
+def translations(run):
+    return [bytes.fromhex(t) for t in run["translation"]]
+
+
+def scores(run):
+    return [struct.unpack(">f", bytes.fromhex(s))[0] for s in run["score"]]
+
+
+def test_serving_check_builds_once_and_skips_without_a_compiler(serving_check, monkeypatch, tmp_path):
+    """Must-show 3: the binary is reused while its source and TensorFlow are unchanged; without g++ the
+    tests skip, saying which package to install (README.md's Tests section names it too)."""
+    mtime = serving_check.stat().st_mtime_ns
+    assert build_serving_check() == serving_check and serving_check.stat().st_mtime_ns == mtime
+    assert serving_check.parent == BUILD_DIR
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ on it
+    with pytest.raises(pytest.skip.Exception, match=r"No C\+\+ compiler: g\+\+ .*install the g\+\+ package"):
+        build_serving_check(tmp_path)
+    assert "apt-get install g++" in (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def test_cpp_loader_serves_what_the_python_session_serves(serving_check, exported, tmp_path):
+    """Must-show 1: LoadSavedModel + Session::Run in C++ give byte for byte the TF1 Python session's
+    translations and scores, on 50 Multi30k sentences and hostile input, both text signatures."""
+    sentences = multi30k_lines("test_2016_flickr.en", 50)
+    batch_512 = multi30k_lines("val.en", 512)
+    requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (sentences, HOSTILE, [])]
+    requests.append(("greedy", batch_512))
+    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
+    python = run_tf1(exported, requests, tmp_path)["runs"]
+    assert [r["signature"] for r in cpp] == [sig for sig, _ in requests]
+    for (signature, texts), got, expected in zip(requests, cpp, python):
+        assert "error" not in got, got["error"]
+        assert outputs(got) == tf1_outputs(expected), (signature, len(texts))
+        assert got["translation_shape"] == got["score_shape"] == [len(texts)]
+    assert all(translations(cpp[0])) and len(set(translations(cpp[0]))) > 10  # real, varied translations
+
+
+def test_empty_and_whitespace_inputs_translate_to_empty(serving_check, exported, tmp_path):
+    """Must-show 2: nothing to translate gives "" and score 0, in C++ and in Python, and the other rows
+    of the batch translate as they do alone."""
+    s0, s1 = multi30k_lines("test_2016_flickr.en", 2)
+    blank = ["", " ", "\t\n", "\u00a0\u3000"]  # the tokenizer's normalization turns Unicode spaces to spaces
+    batch = [blank[0], s0, *blank[1:], s1]
+    requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (batch, [s0], [s1], blank)]
+    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
+    loaded = tf.saved_model.load(str(exported))
+    for (signature, texts), got in zip(requests, cpp):
+        python = loaded.signatures[signature](text=tf.constant(texts))
+        assert translations(got) == python["translation"].numpy().tolist()
+        assert scores(got) == pytest.approx(python["score"].numpy().tolist(), abs=1e-6)
+    for mixed, alone0, alone1, blanks in (cpp[:4], cpp[4:]):
+        assert translations(blanks) == [b""] * 4 and scores(blanks) == [0.0] * 4
+        got = translations(mixed)
+        assert [got[i] for i in (0, 2, 3, 4)] == [b""] * 4 and [scores(mixed)[i] for i in (0, 2, 3, 4)] == [0.0] * 4
+        assert got[1] == translations(alone0)[0] != b"" and got[5] == translations(alone1)[0] != b""
+        assert [scores(mixed)[i] for i in (1, 5)] == pytest.approx([scores(alone0)[0], scores(alone1)[0]], abs=1e-4)
+
+
+def test_concurrent_session_runs_answer_like_sequential_ones(serving_check, exported, tmp_path):
+    """Must-show 4: 8 threads send 8 requests each (both text signatures, batches of 1 to 64 sentences) at
+    once to one session, as TF Serving's request threads do; every answer equals the same request's
+    answer when run alone, byte for byte, and none fails."""
+    pool = multi30k_lines("test_2016_flickr.en", 50)
+    rng = random.Random(4)
+    threads, per_thread = 8, 8
+    # Sizes log-uniform in 1..64 (about 15 sentences on average): ~950 sentences, run twice, in ~30 s on 2 cores.
+    sizes = [1, 64] + [round(2 ** rng.uniform(0, 6)) for _ in range(threads * per_thread - 2)]
+    requests = [(TEXT_SIGNATURES[i % 2], rng.sample(pool * 2, n)) for i, n in enumerate(sizes)]
+    runs, concurrent = run_serving_check(serving_check, exported, tmp_path, requests, threads=threads)
+    assert not [r for r in runs if "error" in r]
+    assert concurrent["requests"] == len(requests) and concurrent["threads"] == threads
+    assert concurrent["errors"] == [] and concurrent["mismatches"] == []
+
+
+def test_warmup_requests_are_written_and_replay(serving_check, exported, tmp_path):
+    """Must-show 5: the export's TF Serving warm-up file holds PredictionLogs for both text signatures
+    (batches of 1 and 8); serving_check reads them as the model server does, and each replays without
+    error and with the Python session's answers."""
+    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+
+    records = []
+    for raw in tf.data.TFRecordDataset(str(exported / WARMUP_FILE)).as_numpy_iterator():
+        log = prediction_log_pb2.PredictionLog.FromString(raw)
+        request = log.predict_log.request
+        records.append((request.model_spec.signature_name, [t.decode() for t in tf.make_ndarray(request.inputs["text"])]))
+        assert request.model_spec.name == "translator" and list(request.inputs) == ["text"]
+    assert records == WARMUP_BATCHES
+    assert {sig for sig, _ in records} == set(TEXT_SIGNATURES) and {len(t) for _, t in records} == {1, 8}
+
+    # The field numbers serving_check reads the records with.
+    def number(message, field):
+        return message.DESCRIPTOR.fields_by_name[field].number
+
+    entry = predict_pb2.PredictRequest.DESCRIPTOR.fields_by_name["inputs"].message_type
+    assert (number(prediction_log_pb2.PredictionLog, "predict_log"), number(prediction_log_pb2.PredictLog, "request"),
+            number(predict_pb2.PredictRequest, "model_spec"), number(model_pb2.ModelSpec, "signature_name"),
+            number(predict_pb2.PredictRequest, "inputs"), entry.fields_by_name["key"].number,
+            entry.fields_by_name["value"].number) == (6, 1, 1, 3, 2, 1, 2)
+
+    replayed, _ = run_serving_check(serving_check, exported, tmp_path, warmup=True)
+    assert [r["label"] for r in replayed] == [f"warmup:{i}" for i in range(len(records))]
+    assert [r["signature"] for r in replayed] == [sig for sig, _ in records]
+    python = run_tf1(exported, records, tmp_path)["runs"]
+    for got, expected in zip(replayed, python):
+        assert "error" not in got, got["error"]
+        assert outputs(got) == tf1_outputs(expected)
