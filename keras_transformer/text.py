@@ -21,7 +21,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import sentencepiece as spm
 import tensorflow as tf
+import tensorflow_text as tf_text
 
 from keras_transformer.masking import PAD_ID
 
@@ -53,8 +55,6 @@ def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, mode
     pieces than asked for instead of failing. Raises `ValueError` when
     sentencepiece cannot train a vocabulary of that size.
     """
-    import sentencepiece as spm
-
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -76,15 +76,11 @@ def read_tokenizer_proto(path) -> bytes:
 
 def vocab_size_of(model_proto: bytes) -> int:
     """Number of pieces (ids) of a sentencepiece model proto."""
-    import sentencepiece as spm
-
     return spm.SentencePieceProcessor(model_proto=model_proto).get_piece_size()
 
 
 def check_special_ids(model_proto: bytes) -> None:
     """`ValueError` unless the model's pad/unk/bos/eos ids are this module's."""
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_proto=model_proto)
     got, expected = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()), (PAD_ID, UNK_ID, START_ID, END_ID)
     if got != expected:
@@ -93,8 +89,6 @@ def check_special_ids(model_proto: bytes) -> None:
 
 def make_tokenizer(model_proto: bytes):
     """The tensorflow-text tokenizer (int32 ids, no bos/eos) for a sentencepiece model proto."""
-    import tensorflow_text as tf_text
-
     return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False)
 
 
