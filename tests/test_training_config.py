@@ -55,7 +55,7 @@ def test_mixed_precision_training(tmp_path):
 
 def test_shipped_multi30k_recipe_parses():
     cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k.json")])
-    assert cfg["preset"] == "small" and cfg["mixed_precision"] and cfg["max_minutes"] == 50
+    assert cfg["preset"] == "small" and cfg["mixed_precision"] == "auto" and cfg["max_minutes"] == 50
     assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
 
 
@@ -99,3 +99,41 @@ def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
     assert not [w for w in caught if "ran out of data" in str(w.message)]
     assert summary["epochs_run"] == [1, 2]
     assert summary["optimizer_steps"] % 2 == 0 and summary["optimizer_steps"] >= 4
+
+
+EPYC_AVX2 = "fpu sse2 avx avx2 fma f16c bmi2"  # an AVX2-only EPYC: bfloat16 is emulated there (0.84x float32)
+EPYC_BF16 = EPYC_AVX2 + " avx512f avx512bw avx512_bf16 avx512_vnni"
+SAPPHIRE_RAPIDS = EPYC_AVX2 + " avx512f amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize("flags, gpus, policy", [
+    (EPYC_AVX2, [], "float32"),
+    (EPYC_BF16, [], "mixed_bfloat16"),
+    (SAPPHIRE_RAPIDS, [], "mixed_bfloat16"),
+    (EPYC_AVX2, [(8, 0)], "mixed_bfloat16"),
+    (EPYC_AVX2, [(7, 5), (8, 6)], "mixed_float16"),
+    (EPYC_BF16, [(6, 1)], "float32"),
+])
+def test_auto_precision_follows_the_hardware(flags, gpus, policy):
+    from training.precision import choose_policy
+
+    chosen, reason = choose_policy("auto", flags=flags.split(), gpu_capabilities=gpus)
+    assert chosen == policy and reason
+
+
+def test_precision_flags_force_either_way(tmp_path):
+    from training.precision import choose_policy, cpu_flags
+
+    assert resolve_config([])["mixed_precision"] == "auto"
+    assert resolve_config(["--mixed-precision"])["mixed_precision"] is True
+    assert resolve_config(["--config", str(REPO / "configs" / "multi30k.json"), "--no-mixed-precision"])[
+        "mixed_precision"] is False
+    assert choose_policy(True, flags=EPYC_AVX2.split(), gpu_capabilities=[])[0] == "mixed_bfloat16"
+    assert choose_policy(True, flags=EPYC_AVX2.split(), gpu_capabilities=[(7, 0)])[0] == "mixed_float16"
+    assert choose_policy(False, flags=EPYC_BF16.split(), gpu_capabilities=[(8, 0)])[0] == "float32"
+    with pytest.raises(ValueError, match="mixed_precision"):
+        choose_policy("yes", flags=[], gpu_capabilities=[])
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(tmp_path / "missing") == set()

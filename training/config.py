@@ -43,7 +43,7 @@ DEFAULTS = {
     "validation": True,
     "max_train_examples": None,
     "max_eval_examples": None,
-    "mixed_precision": False,
+    "mixed_precision": "auto",
     "jit_compile": False,
     "grad_accum": 1,
     "cpu_replicas": 1,
@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
     g.add_argument("--label-smoothing", type=float)
     g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
-    g.add_argument("--mixed-precision", action="store_true", help="mixed_bfloat16 on CPU, mixed_float16 on GPU")
+    g.add_argument("--mixed-precision", action="store_true", help="force mixed precision: mixed_bfloat16 on CPU, "
+                   "mixed_float16 on GPU (default auto: only where the hardware computes half precision natively)")
+    g.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_false", help="force float32")
     g.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
     g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
     g.add_argument("--backup-every", type=int, help="BackupAndRestore every N steps (default: every epoch)")

@@ -98,7 +98,3 @@ def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
         strategy = tf.distribute.MirroredStrategy(cpus[: max(1, cpu_replicas)])
     log.info("MirroredStrategy over %s", strategy.extended.worker_devices)
     return strategy
-
-
-def has_gpu() -> bool:
-    return bool(tf.config.list_logical_devices("GPU"))

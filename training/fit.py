@@ -27,10 +27,11 @@ from keras_transformer.text import (check_special_ids, make_tokenizer, read_toke
 from training.callbacks import ResumableBackup, TimeBudget
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
-from training.distribute import has_gpu, make_strategy, worker_info
+from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.keras_internals import build_fit_state_now, rank1_step_logs
 from training.pipeline import make_batches
+from training.precision import choose_policy
 
 log = logging.getLogger("training.fit")
 
@@ -115,9 +116,9 @@ def build_and_compile(cfg, vocab_size: int, optimizer=None):
 
 
 def set_precision(cfg) -> str:
-    policy = "float32"
-    if cfg["mixed_precision"]:
-        policy = "mixed_float16" if has_gpu() else "mixed_bfloat16"
+    """Sets Keras' global dtype policy as `cfg["mixed_precision"]` says ("auto", True, False) and says why."""
+    policy, reason = choose_policy(cfg["mixed_precision"])
+    print(f"[kt-train] precision: {policy} ({reason})", flush=True)
     keras.mixed_precision.set_global_policy(policy)
     return policy
 
