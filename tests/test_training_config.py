@@ -137,3 +137,40 @@ def test_precision_flags_force_either_way(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
     assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_every_epoch_says_the_time_so_far_and_the_time_left(capsys):
+    """The estimate is the mean epoch time so far times the epochs left; a resumed run counts from its first."""
+    from training.callbacks import EpochETA
+
+    now = [100.0]
+    eta = EpochETA(epochs=10, clock=lambda: now[0])
+    eta.on_train_begin()
+    for epoch, seconds in ((3, 60.0), (4, 120.0)):  # resumed at epoch 4 (0-based 3); epochs of 1 and 2 minutes
+        eta.on_epoch_begin(epoch)
+        now[0] += seconds
+        eta.on_epoch_end(epoch)
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("[kt-train] epoch 4/10 done: 1.0 min so far, about 6.0 min left (ends around ")
+    assert second.startswith("[kt-train] epoch 5/10 done: 3.0 min so far, about 7.5 min left (ends around ")
+    budget = EpochETA(epochs=10, max_minutes=5, clock=lambda: now[0])  # a time budget caps the estimate
+    budget.on_train_begin()
+    budget.on_epoch_begin(0)
+    now[0] += 60.0
+    budget.on_epoch_end(0)
+    assert "1.0 min so far, about 4.0 min left" in capsys.readouterr().out
+
+
+def test_progress_bar_on_a_terminal_one_line_per_epoch_in_a_file(tmp_path):
+    import io
+
+    from training.fit import fit_verbosity
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert fit_verbosity("auto", Terminal()) == 1
+    with open(tmp_path / "log", "w") as log:
+        assert fit_verbosity("auto", log) == 2
+    assert fit_verbosity(0, Terminal()) == 0

@@ -1,7 +1,8 @@
-"""The Keras callbacks kt-train adds to `model.fit`: resumable backups and a time budget."""
+"""The Keras callbacks kt-train adds to `model.fit`: resumable backups, a time budget, and the ETA."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -83,3 +84,36 @@ class TimeBudget(keras.callbacks.Callback):
             print(f"[kt-train] time budget: stopping after epoch {epoch + 1} "
                   f"({elapsed / 60:.1f} of {self.max_minutes:g} minutes used; another epoch would not fit)",
                   flush=True)
+
+
+class EpochETA(keras.callbacks.Callback):
+    """After every epoch, one line: the epochs done, the time so far and an estimate of the time left.
+
+    The estimate is the mean epoch time of this run so far times the epochs left
+    (of `epochs`, counting from the epoch a resumed run starts at), at most what
+    is left of a `max_minutes` time budget.
+    """
+
+    def __init__(self, epochs: int, max_minutes: float | None = None, clock=time.time):
+        super().__init__()
+        self.epochs, self.max_minutes, self.clock = epochs, max_minutes, clock
+
+    def on_train_begin(self, logs=None):
+        self.t0, self.first_epoch = self.clock(), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.first_epoch is None:
+            self.first_epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        elapsed = self.clock() - self.t0
+        left = (self.epochs - epoch - 1) * elapsed / (epoch + 1 - self.first_epoch)
+        if self.max_minutes:
+            left = max(0.0, min(left, self.max_minutes * 60 - elapsed))
+        finish = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=left)
+        print(f"[kt-train] epoch {epoch + 1}/{self.epochs} done: {_minutes(elapsed)} so far, "
+              f"about {_minutes(left)} left (ends around {finish:%H:%M} UTC)", flush=True)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ import keras_transformer as kt
 from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import (check_special_ids, make_tokenizer, read_tokenizer_proto, train_sentencepiece,
                                     vocab_size_of)
-from training.callbacks import ResumableBackup, TimeBudget
+from training.callbacks import EpochETA, ResumableBackup, TimeBudget
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
@@ -123,6 +124,13 @@ def set_precision(cfg) -> str:
     return policy
 
 
+def fit_verbosity(setting, stream=sys.stdout) -> int:
+    """Keras' per-batch progress bar (1) on a terminal, one line per epoch (2) in a log file; or as set."""
+    if setting == "auto":
+        return 1 if stream.isatty() else 2
+    return int(setting)
+
+
 def train(cfg: dict, strategy=None) -> dict:
     """Runs training as configured; returns a summary dict (also printed as JSON)."""
     if strategy is None:
@@ -183,6 +191,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         keras.callbacks.TensorBoard(log_dir=str(out_dir / "logs")),
         keras.callbacks.TerminateOnNaN(),
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
+        EpochETA(cfg["epochs"], cfg.get("max_minutes")),
     ]
     budget = None
     if cfg.get("max_minutes"):
@@ -198,7 +207,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         warnings.filterwarnings("ignore", message="Your input ran out of data")
         # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
         history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
-                            callbacks=callbacks, verbose=cfg["verbose"], shuffle=False)
+                            callbacks=callbacks, verbose=fit_verbosity(cfg["verbose"]), shuffle=False)
     elapsed = time.time() - t0
     summary = {
         "epochs_run": [e + 1 for e in history.epoch],
