@@ -1,8 +1,10 @@
-"""Greedy decoding and beam search over the Transformer's key/value cache.
+"""Greedy decoding and beam search over the Transformer's key/value cache,
+and greedy generation for a decoder-only (GPT-style) model.
 
-Both are plain TensorFlow (a `tf.while_loop` over `Transformer.decode_step`),
-so they run inside a `tf.function` and export to a SavedModel. Padding
-masks come from the source ids, never from Keras masks.
+All are plain TensorFlow (a `tf.while_loop` over one decoder step: the
+Transformer's `decode_step`, or a decoder-only model's embedding, `Decoder`
+and output projection), so they run inside a `tf.function` and export to a
+SavedModel. Padding masks come from the source ids, never from Keras masks.
 
 Scores are log P(output | source) / lp(output), with the length penalty
 lp(y) = ((5 + |y|) / 6)^alpha (Wu et al., 2016; tensor2tensor), |y| counting
@@ -51,6 +53,17 @@ class _BeamState(NamedTuple):
     greedy_log_prob: tf.Tensor  # [batch]
     greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
     cache: Any  # Transformer.init_decoding_cache for [batch * (k + 1)] rows, or {}
+
+
+class _GenerateState(NamedTuple):
+    """The decoder-only generation loop's state; every field but `cache_index` has the batch first."""
+
+    cache_index: tf.Tensor  # scalar: the position of `last`, where the decoder reads it this step
+    last: tf.Tensor  # [batch] the newest token, not read yet
+    finished: tf.Tensor  # [batch] bool: the end token is out
+    log_prob: tf.Tensor  # [batch] log P(tokens so far | prompt)
+    tokens: tf.Tensor  # [batch, max_new_tokens] the tokens so far, `last` included; 0 after the end token
+    cache: Any  # Decoder.empty_cache: one (keys, values) pair per layer
 
 
 class _Candidates(NamedTuple):
@@ -394,3 +407,84 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     )
     state = _while_loop(not_done, step, state)
     return _trim(state.finished_tokens[:, 0]), state.finished_scores[:, 0]
+
+
+def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_tokens, end_id=None):
+    """Greedy continuation of prompts by a decoder-only (GPT-style) model, with the key/value cache.
+
+    The model is `output_projection(decoder(embedding(ids)))`, the functional
+    language model of the README: the prompt runs through the decoder once,
+    filling the self-attention cache, then each new token is one cached step
+    (its keys and values written at its position), and the most likely next
+    token is appended. Never the pad id 0: the model's full pass masks it out.
+
+    Args:
+        embedding: `PositionalEmbedding` (or a layer called as
+            `embedding(ids [batch, n], start_index=position)` -> `[batch, n, d_model]`).
+        decoder: a `Decoder(..., use_cross_attention=False)`.
+        output_projection: hidden states `[batch, n, d_model]` -> logits
+            `[batch, n, vocab]`: a `keras.layers.Dense`, or for a projection
+            tied to the embedding e.g.
+            `lambda h: tf.matmul(h, embedding.token_embedding.embeddings, transpose_b=True)`.
+        prompt_ids: int `[batch, prompt_len]`, prompt_len >= 1. Every prompt
+            has the same length and no padding (id 0): the cache takes each
+            earlier position for a real token.
+        max_new_tokens: how many tokens to generate (>= 1).
+        end_id: optional; a row that produces it stops there (0 after it).
+            The loop ends early once every row has.
+
+    Returns:
+        tokens: int32 `[batch, max_new_tokens]`, the continuation only (no
+            prompt), padded with 0 after `end_id`.
+        log_prob: float32 `[batch]`, log P(tokens | prompt) under the model.
+
+    Call it inside `tf.function` for speed (it also runs eagerly), e.g.
+    `tf.function(lambda ids: greedy_generate(embedding, decoder, dense, ids, 100))`.
+    """
+    prompt_ids = tf.convert_to_tensor(prompt_ids)
+    if prompt_ids.shape.rank != 2:
+        raise ValueError(f"greedy_generate expects prompt_ids of shape [batch, prompt_len], got {prompt_ids.shape}.")
+    if isinstance(max_new_tokens, int) and max_new_tokens < 1:
+        raise ValueError(f"greedy_generate needs max_new_tokens >= 1, got {max_new_tokens}.")
+    prompt_ids = tf.cast(prompt_ids, tf.int32)
+    batch_size, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
+    end_id = -1 if end_id is None else end_id  # -1: no token ends a row
+    all_false = tf.zeros([batch_size], tf.bool)  # no row has a length limit, nor is finished before it starts
+
+    def next_log_probs(token_ids, cache_index, cache):
+        """Tokens `[batch, n]` at positions from `cache_index` -> log-probabilities of the next token `[batch, vocab]`."""
+        x = embedding(token_ids, start_index=cache_index, training=False)
+        x, cache = decoder(x, self_attention_cache=cache, cache_index=cache_index, training=False)
+        logits = tf.cast(output_projection(x[:, -1:])[:, 0], tf.float32)
+        return _next_token_log_probs(logits, all_false, end_id), cache
+
+    def step(state):
+        log_probs, cache = next_log_probs(state.last[:, None], state.cache_index, state.cache)
+        column = state.cache_index - prompt_length + 1
+        token, tokens, log_prob, ends = _greedy_step(
+            log_probs, column, state.tokens, state.log_prob, state.finished, end_id
+        )
+        return _GenerateState(
+            cache_index=state.cache_index + 1,
+            last=token,
+            finished=state.finished | ends,
+            log_prob=log_prob,
+            tokens=tokens,
+            cache=cache,
+        )
+
+    def not_done(state):
+        generated = state.cache_index - prompt_length + 1
+        return tf.logical_and(generated < max_new_tokens, tf.logical_not(tf.reduce_all(state.finished)))
+
+    # The whole prompt in one pass; the last generated token is never read, hence the - 1.
+    cache = decoder.empty_cache(batch_size, prompt_length + max_new_tokens - 1)
+    log_probs, cache = next_log_probs(prompt_ids, 0, cache)
+    token, tokens, log_prob, ends = _greedy_step(
+        log_probs, 0, tf.zeros([batch_size, max_new_tokens], tf.int32), tf.zeros([batch_size]), all_false, end_id
+    )
+    state = _GenerateState(
+        cache_index=prompt_length, last=token, finished=ends, log_prob=log_prob, tokens=tokens, cache=cache
+    )
+    state = _while_loop(not_done, step, state)
+    return state.tokens, state.log_prob
