@@ -44,8 +44,9 @@ False on a CPU-only TensorFlow machine (XLA only with a GPU/TPU); this project d
 plain `tf.function` (export/ and training/evaluate: no XLA; the SavedModel must run on stock
 TF Serving). So the "off" rows are what each uses by default here; the "on" rows (default
 --jit off,on) add XLA for every configuration, and a row that fails is listed with its error:
-our model's cache write (`TensorStridedSliceUpdate` at a loop-dependent position, chosen so
-stock TF Serving runs the SavedModel) is not XLA-compilable ("must be a compile-time
+our model's cache write at the time of that run (`TensorStridedSliceUpdate` at a loop-dependent
+position, chosen so stock TF Serving runs the SavedModel; now a growing concat outside XLA and
+`dynamic_update_slice` inside) was not XLA-compilable ("must be a compile-time
 constant"), so only hub-loop/hub-model has "on" rows; those compare against ours without XLA.
 
 Known differences that remain (they are part of what is compared, not of the set-up):

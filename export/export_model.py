@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import prediction_log_pb2
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops
-from export.translator import GREEDY_SIGNATURE, TEXT_SIGNATURE, Translator
+from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator, decode_policy
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -66,7 +66,7 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 
 
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
-           use_cache=True, check_ops=True) -> Path:
+           use_cache=True, check_ops=True, precision="auto") -> Path:
     """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,7 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
     if target.exists():
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
     translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
-                                           use_cache=use_cache)
+                                           use_cache=use_cache, precision=precision)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
         translator.save(tmp)
@@ -105,6 +105,10 @@ def build_parser():
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="what the exported graph decodes in. auto (default): bfloat16 if THIS machine's CPU "
+                        "computes it natively (avx512_bf16/amx_bf16), else float32; pass float32 or bfloat16 "
+                        "when the server's CPU differs. model: the training policy")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
                    help="do not check that every op is one tensorflow_model_server has")
     return p
@@ -114,10 +118,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     t0 = time.time()
+    policy, reason = decode_policy(args.precision)
+    print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)
     try:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
                       model_file=args.model_file, beam_size=args.beam_size, alpha=args.alpha,
-                      use_cache=args.use_cache, check_ops=args.check_ops)
+                      use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ import keras
 import tensorflow as tf
 
 import keras_transformer as kt
+from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source, make_tokenizer
 from keras_transformer.text import read_tokenizer_proto, source_from_pieces
 
@@ -88,6 +89,48 @@ def load_model_dir(model_dir, model_file=None, weights=None):
 
 def tokenizer_path(model_dir, config) -> Path:
     return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
+
+
+# ------------------------------------------------------------ decode precision
+
+PRECISIONS = ("auto", "float32", "bfloat16", "model")
+
+
+def decode_policy(precision="auto", flags=None) -> tuple[str | None, str]:
+    """(Keras dtype policy to decode in, or None for the model's own; the reason in a few words).
+
+    "auto": bfloat16 where the CPU computes it natively (`flags`: this
+    machine's by default), else float32: the training policy says how the
+    model was trained, not what is fast where it is served. "model": the
+    model's own policy (e.g. mixed_bfloat16 if it was trained so).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "model":
+        return None, "the model's own policy was asked for"
+    if precision != "auto":
+        return precision, f"{precision} was asked for"
+    native = native_bf16_flags(flags)
+    if native:
+        return "bfloat16", f"this CPU computes bfloat16 natively ({', '.join(native)})"
+    return "float32", "this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16), where float32 is faster"
+
+
+def with_dtype_policy(model, policy):
+    """`model` with its weights, computing under the Keras dtype `policy` (None: `model` itself).
+
+    For decoding, "bfloat16" (weights stored in bfloat16) rather than
+    mixed_bfloat16: the same bfloat16 matmuls, minus a cast of every weight
+    at every decoding step (8% of a step's time on CPU).
+    """
+    if policy is None or model.dtype_policy.name == policy:
+        return model
+    config = model.get_config()
+    config["dtype"] = policy
+    clone = type(model).from_config(config)
+    clone.build()
+    clone.set_weights(model.get_weights())
+    return clone
 
 
 # ----------------------------------------------------------------- translator
@@ -155,9 +198,12 @@ class Translator(tf.Module):
         self.model_variables = list(captured.values())
 
     @classmethod
-    def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True):
-        """A `Translator` for a directory written by kt-train, with its config's `max_length`."""
+    def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
+                       precision="auto"):
+        """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
+        in `precision` (see `decode_policy`)."""
         model, tokenizer, config = load_model_dir(model_dir, model_file, weights)
+        model = with_dtype_policy(model, decode_policy(precision)[0])
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config))
 

@@ -2,9 +2,9 @@
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
 from keras_transformer.masking import causal_mask
+from keras_transformer.tf_internals import in_xla_context
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -29,15 +29,21 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     With `cache` it runs one decoding step and reuses earlier work. The cache is
     a pair `(keys, values)` of projected heads, each
-    `[batch, cache_length, num_heads, key_dim]` (two tensors rather than one
-    stacked tensor: a decoding step then writes and reorders them without
-    copying the whole cache several times):
+    `[batch, num_heads, cache_length, key_dim]`: heads before positions, the
+    layout the attention's batched matrix multiplications read, so a step
+    never transposes the cache (that transpose was a quarter of a decoding
+    step's time on CPU).
 
-    - Self-attention: start from `empty_cache(batch, max_length)` and pass
-      `cache_index=t`. The projected key/value of the new query positions
-      are written at `t`, and the query at `t + i` attends to cache positions
-      `<= t + i` (causal). The shape stays fixed, so the loop that
-      calls it compiles once (XLA, `tf.while_loop`).
+    - Self-attention: pass `cache_index=t`. The projected keys/values of the
+      new query positions are written at positions `t, t + 1, ...`, and the
+      query at `t + i` attends to cache positions `<= t + i` (causal). Start
+      from `empty_cache(batch, max_length)`:
+      - `max_length=0`: the cache grows by the new positions at each call
+        (write at `t` = its length). A step then copies and reads only the
+        positions decoded so far, the fastest outside XLA.
+      - `max_length=n`: a fixed buffer of n positions. Its shape never
+        changes, which XLA (`jit_compile=True`) needs; there the write is an
+        in-place `dynamic_update_slice`.
     - Cross-attention: build the cache once with `compute_cache(encoder_output)`
       and pass it with `cache_index=None`; keys and values are then
       never projected again.
@@ -53,23 +59,27 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     ```python
     mha = MultiHeadAttention(num_heads=8, key_dim=64)
     y = mha(x, x, use_causal_mask=True)           # full pass, [b, t, 512]
-    cache = mha.empty_cache(batch_size=b, max_length=t)
-    for i in range(t):                             # the same, one step at a time
+    cache = mha.empty_cache(batch_size=b, max_length=0)
+    for i in range(t):                             # the same, one step at a time (the cache grows)
         y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i)
     ```
     """
 
-    def empty_cache(self, batch_size, max_length):
-        """`(keys, values)` zeros, each `[batch_size, max_length, num_heads, key_dim]`, for self-attention."""
-        shape = [batch_size, max_length, self.num_heads, self.key_dim]
+    def empty_cache(self, batch_size, max_length=0):
+        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention.
+
+        `max_length=0` (the default): an empty cache that grows at each step;
+        `max_length=n`: a fixed buffer of n positions (for XLA).
+        """
+        shape = [batch_size, self.num_heads, max_length, self.key_dim]
         return tf.zeros(shape, dtype=self.compute_dtype), tf.zeros(shape, dtype=self.compute_dtype)
 
     def compute_cache(self, value, key=None):
         """Projects `key`/`value` `[batch, length, dim]` once, for cross-attention.
 
-        Returns `(keys, values)`, each `[batch, length, num_heads, key_dim]`.
+        Returns `(keys, values)`, each `[batch, num_heads, length, key_dim]`.
         """
-        return self._project_keys_values(value, value if key is None else key)
+        return tuple(_heads_first(h) for h in self._project_keys_values(value, value if key is None else key))
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
              return_attention_scores=False, training=None, use_causal_mask=False, cache=None, cache_index=None):
@@ -95,22 +105,24 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 use_causal_mask=use_causal_mask,
             )
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
-        elif cache_index is None:  # cross-attention: keys and values were projected once
-            query_heads = _project(query, self._query_dense)
-            key_heads, value_heads = cache
-        else:  # self-attention: write this step's keys and values into the cache
-            query_heads, new_keys, new_values = self._project_heads(query, value, key)
-            key_heads = _write_at(cache[0], cache_index, new_keys)
-            value_heads = _write_at(cache[1], cache_index, new_values)
-            cache = (key_heads, value_heads)
-            causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[1], start=cache_index)
-            attention_mask = (
-                causal
-                if attention_mask is None
-                else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
-            )
-
-        output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
+            output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
+        else:
+            if cache_index is None:  # cross-attention: keys and values were projected once
+                query_heads = _project(query, self._query_dense)
+                key_heads, value_heads = cache
+            else:  # self-attention: write this step's keys and values into the cache
+                query_heads, new_keys, new_values = self._project_heads(query, value, key)
+                key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys))
+                value_heads = _write_at(cache[1], cache_index, _heads_first(new_values))
+                cache = (key_heads, value_heads)
+                causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
+                attention_mask = (
+                    causal
+                    if attention_mask is None
+                    else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
+                )
+            output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
+            output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
         output = _project_output(output, self._output_dense)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
@@ -143,9 +155,16 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             return super()._compute_attention(
                 query, key, value, attention_mask, training, return_attention_scores, **kwargs
             )
-        query = tf.transpose(query, [0, 2, 1, 3]) * tf.cast(self._inverse_sqrt_key_dim, query.dtype)
-        key = tf.transpose(key, [0, 2, 1, 3])
-        value = tf.transpose(value, [0, 2, 1, 3])
+        output, scores = self._attend(
+            _heads_first(query), _heads_first(key), _heads_first(value), attention_mask, training
+        )
+        return _heads_first(output), scores
+
+    def _attend(self, query, key, value, attention_mask, training):
+        """Equation 1 on heads-first tensors: query `[batch, num_heads, query_len, dim]`,
+        key and value `[batch, num_heads, key_len, dim]` -> output
+        `[batch, num_heads, query_len, value_dim]` and the weights."""
+        query = query * tf.cast(self._inverse_sqrt_key_dim, query.dtype)
         scores = tf.matmul(query, key, transpose_b=True)
         if attention_mask is None:
             scores = tf.nn.softmax(scores)
@@ -156,8 +175,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
             scores = tf.where(mask, scores, tf.zeros_like(scores))
         weights = self._dropout_layer(scores, training=training) if self._dropout > 0.0 else scores
-        output = tf.transpose(tf.matmul(weights, value), [0, 2, 1, 3])
-        return output, scores
+        return tf.matmul(weights, value), scores
 
     def _is_plain(self):
         """True when the layer uses no option beyond the paper's attention (see the class docstring)."""
@@ -218,29 +236,27 @@ def _weight(variable, dtype):
     return tf.cast(keras.ops.convert_to_tensor(variable), dtype)
 
 
-def _write_at(heads, index, update):
-    """`heads` `[batch, length, num_heads, key_dim]` with `update` written from position `index`.
+def _heads_first(x):
+    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse)."""
+    return tf.transpose(x, [0, 2, 1, 3])
 
-    Outside XLA, a core op (`TensorStridedSliceUpdate`), not `keras.ops.slice_update`,
-    whose TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock TF
-    Serving model server will not run that outside XLA. Inside a
-    `tf.function(jit_compile=True)` it is the other way round: XLA needs the
-    strided slice's bounds at compile time, and `dynamic_update_slice` is its
-    native cache write.
+
+def _write_at(heads, index, update):
+    """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, n, key_dim]`
+    written at positions `index ... index + n - 1`; a cache of length `index` grows by n.
+
+    Inside `tf.function(jit_compile=True)` the cache is a fixed buffer and this
+    is XLA's in-place `dynamic_update_slice`. Outside XLA it is a concat of
+    core ops, not `keras.ops.slice_update`, whose TensorFlow kernel is the XLA
+    op `XlaDynamicUpdateSlice`: the stock TF Serving model server will not run
+    that outside XLA. The concat copies the cache, as any write outside XLA
+    does, but a growing cache holds only the positions decoded so far.
     """
     update = tf.cast(update, heads.dtype)
-    begin = tf.stack([0, tf.cast(index, tf.int32), 0, 0])
-    if _in_xla_context():
-        return keras.ops.slice_update(heads, begin, update)
-    end = begin + tf.shape(update, out_type=tf.int32)
-    return tf.raw_ops.TensorStridedSliceUpdate(
-        input=heads, begin=begin, end=end, strides=tf.ones_like(begin), value=update
-    )
-
-
-def _in_xla_context():
-    """True while tracing inside `tf.function(jit_compile=True)` (TensorFlow has no public test for it)."""
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    index = tf.cast(index, tf.int32)
+    if in_xla_context():
+        return keras.ops.slice_update(heads, tf.stack([0, 0, index, 0]), update)
+    return tf.concat([heads[:, :, :index], update, heads[:, :, index + tf.shape(update)[2]:]], axis=2)
 
 
 def head_size(d_model, num_heads):

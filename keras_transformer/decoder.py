@@ -227,7 +227,8 @@ class Decoder(TransformerStackBase):
         -> `[batch, target_len, d_model]`.
 
     Incremental decoding: one `(keys, values)` pair per layer, each tensor
-    `[batch, length, num_heads, d_k]`: `empty_cache(batch, max_length)` for
+    `[batch, num_heads, length, d_k]`: `empty_cache(batch)` (it grows) or
+    `empty_cache(batch, max_length)` (a fixed buffer, for XLA) for
     self-attention and, with cross-attention,
     `compute_cross_attention_cache(encoder_output)` (length source_len).
     Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`)
@@ -260,7 +261,8 @@ class Decoder(TransformerStackBase):
     def build(self, x_shape, encoder_output_shape=None):
         self._build_stack(self.decoder_layers, x_shape, encoder_output_shape)
 
-    def empty_cache(self, batch_size, max_length):
+    def empty_cache(self, batch_size, max_length=0):
+        """One empty self-attention cache per layer (`MultiHeadAttention.empty_cache`)."""
         return [layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers]
 
     def compute_cross_attention_cache(self, encoder_output):

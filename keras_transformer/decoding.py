@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from keras_transformer.masking import PAD_ID, padding_mask
+from keras_transformer.tf_internals import in_xla_context
 
 # Default room for the output: source length + 50 tokens (paper section 6.1).
 EXTRA_OUTPUT_LENGTH = 50
@@ -24,21 +25,30 @@ _NEG = -1e9
 
 
 class _GreedyState(NamedTuple):
-    """The greedy loop's state; every field but `cache_index` has the batch first."""
+    """The greedy loop's state. The fields from `rows` to `cache` are the rows still decoding (all
+    rows under XLA; outside it, finished rows leave, so a step computes only what is still needed);
+    `tokens`, `log_prob_out` and `lengths_out` hold every row of the batch."""
 
     cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
-    last: tf.Tensor  # [batch] the token at `cache_index`
-    finished: tf.Tensor  # [batch] bool: the end token is out
-    log_prob: tf.Tensor  # [batch] log P(output so far)
-    lengths: tf.Tensor  # [batch] output tokens, the end token included
+    rows: tf.Tensor  # [active] each active row's row in the batch
+    last: tf.Tensor  # [active] the token at `cache_index`
+    finished: tf.Tensor  # [active] bool: the end token is out (always False once rows leave)
+    log_prob: tf.Tensor  # [active] log P(output so far)
+    lengths: tf.Tensor  # [active] output tokens, the end token included
+    memory: Any  # (encoder output, source padding mask, output limits) of the active rows
+    cache: Any  # Transformer.init_decoding_cache of the active rows, or {} without the cache
     tokens: tf.Tensor  # [batch, steps] the output, padding after the end token
-    cache: Any  # Transformer.init_decoding_cache, or {} without the cache
+    log_prob_out: tf.Tensor  # [batch] each row's log_prob, as of its last step
+    lengths_out: tf.Tensor  # [batch] each row's length, as of its last step
 
 
 class _BeamState(NamedTuple):
     """The beam loop's state; every field but `cache_index` has the batch (sentences) first.
 
-    A sentence has k + 1 rows: its k beams, then its greedy hypothesis.
+    A sentence has k + 1 rows: its k beams, then its greedy hypothesis. The
+    batch is the sentences still searching (all of them under XLA; outside
+    it, a sentence leaves once it is done), except in `best_tokens` and
+    `best_scores`, which hold every sentence of the input.
     """
 
     cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
@@ -52,7 +62,11 @@ class _BeamState(NamedTuple):
     greedy_tokens: tf.Tensor  # [batch, steps] the greedy hypothesis
     greedy_log_prob: tf.Tensor  # [batch]
     greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
+    sentences: tf.Tensor  # [batch] each sentence's row in the input batch
+    memory: Any  # (encoder output, source mask) per row `[batch * (k + 1), ...]`, output limits `[batch]`
     cache: Any  # Transformer.init_decoding_cache for [batch * (k + 1)] rows, or {}
+    best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
+    best_scores: tf.Tensor  # [input batch] its score
 
 
 class _GenerateState(NamedTuple):
@@ -112,18 +126,19 @@ def _next_token_log_probs(logits, at_limit, end_id):
     return tf.where(banned, _NEG, log_probs)
 
 
-def _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache):
-    """`(cache_index, last [rows], outputs [rows, steps], cache) -> (logits [rows, vocab], cache)`.
+def _next_logits_fn(model, start_id, use_cache):
+    """`(cache_index, last [rows], outputs [rows, steps], cache, encoder_output, source_mask)
+    -> (logits [rows, vocab], cache)`.
 
     With the cache, one decoder step for the token at position `cache_index`.
     Without it, the whole prefix again (start id + outputs so far), as
     decoding is defined: the slow reference the cache must equal.
     """
     if use_cache:
-        def next_logits(cache_index, last, outputs, cache):
+        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
             return model.decode_step(last, cache_index, encoder_output, source_mask, cache)
     else:
-        def next_logits(cache_index, last, outputs, cache):
+        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
             start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
             prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
             return model.decode(prefix, encoder_output, source_mask)[:, cache_index], cache
@@ -139,7 +154,8 @@ def _greedy_step(log_probs, cache_index, tokens, log_prob, done, end_id):
     token = tf.argmax(log_probs, axis=-1, output_type=tf.int32)
     token_log_prob = tf.gather(log_probs, token, batch_dims=1)
     token, token_log_prob = tf.where(done, PAD_ID, token), tf.where(done, 0.0, token_log_prob)
-    return token, _write_column(tokens, cache_index, token), log_prob + token_log_prob, tf.equal(token, end_id)
+    tokens = None if tokens is None else _write_column(tokens, cache_index, token)
+    return token, tokens, log_prob + token_log_prob, tf.equal(token, end_id)
 
 
 def _write_column(tokens, position, column):
@@ -152,17 +168,35 @@ def _first(n, size):
     return tf.range(size) < n
 
 
+def _cache_length(steps):
+    """Positions to allocate in the self-attention cache for `steps` decoding steps.
+
+    Outside XLA, none: the cache grows at each step, so a step copies, reads
+    and (in beam search) reorders only what is decoded so far, not room for
+    the longest possible output (source length + 50, when outputs average 16
+    tokens on Multi30k). XLA needs fixed shapes: the whole buffer.
+    """
+    return steps if in_xla_context() else 0
+
+
 def _while_loop(cond, body, state):
     """`tf.while_loop` over a `NamedTuple` state with a free batch size.
 
     `cond` and `body` take the state; the batch is the first axis of every
-    field but the scalar `cache_index`, and static sizes elsewhere are kept.
+    field but the scalar `cache_index`, and static sizes elsewhere are kept,
+    except the cache's length axis (`[batch, num_heads, length, key_dim]`),
+    which grows outside XLA.
     """
 
     def free_batch(x):
         return tf.TensorShape([None] + x.shape.as_list()[1:])
 
-    invariants = tf.nest.map_structure(free_batch, state)._replace(cache_index=tf.TensorShape([]))
+    def free_length(x):
+        return tf.TensorShape([None, x.shape[1], None, x.shape[3]])
+
+    invariants = tf.nest.map_structure(free_batch, state)._replace(
+        cache_index=tf.TensorShape([]), cache=tf.nest.map_structure(free_length, state.cache)
+    )
     fields = type(state)
     return tf.while_loop(
         lambda *s: cond(fields(*s)), lambda *s: body(fields(*s)), state, shape_invariants=invariants
@@ -198,38 +232,64 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     """
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
-    next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
+    next_logits = _next_logits_fn(model, start_id, use_cache)
+    # Finished rows leave the batch: about a third of a sorted batch's row-steps were spent on
+    # rows already done (Multi30k, batches of 64). XLA needs fixed shapes, so there every row stays.
+    compact = not in_xla_context()
 
     def step(state):
-        logits, cache = next_logits(state.cache_index, state.last, state.tokens, state.cache)
+        encoder_output, source_mask, limits = state.memory
+        outputs = tf.gather(state.tokens, state.rows) if not use_cache else None
+        logits, cache = next_logits(state.cache_index, state.last, outputs, state.cache, encoder_output, source_mask)
         log_probs = _next_token_log_probs(logits, state.cache_index + 1 >= limits, end_id)
-        token, tokens, log_prob, ends = _greedy_step(
-            log_probs, state.cache_index, state.tokens, state.log_prob, state.finished, end_id
+        token, _, log_prob, ends = _greedy_step(
+            log_probs, state.cache_index, None, state.log_prob, state.finished, end_id
         )
-        return _GreedyState(
+        lengths = state.lengths + tf.cast(~state.finished, tf.int32)
+        at = tf.stack([state.rows, tf.fill(tf.shape(state.rows), state.cache_index)], axis=1)
+        state = state._replace(
             cache_index=state.cache_index + 1,
             last=token,
             finished=state.finished | ends,
             log_prob=log_prob,
-            lengths=state.lengths + tf.cast(~state.finished, tf.int32),
-            tokens=tokens,
+            lengths=lengths,
             cache=cache,
+            tokens=tf.tensor_scatter_nd_update(state.tokens, at, token),
+            log_prob_out=tf.tensor_scatter_nd_update(state.log_prob_out, state.rows[:, None], log_prob),
+            lengths_out=tf.tensor_scatter_nd_update(state.lengths_out, state.rows[:, None], lengths),
         )
+        if not compact:
+            return state
+        return tf.cond(tf.reduce_any(ends), lambda: _drop_finished(state), lambda: state)
 
     def not_done(state):
         return tf.logical_and(state.cache_index < steps, tf.logical_not(tf.reduce_all(state.finished)))
 
     state = _GreedyState(
         cache_index=tf.constant(0),
+        rows=tf.range(batch_size),
         last=tf.fill([batch_size], tf.cast(start_id, tf.int32)),
         finished=tf.zeros([batch_size], tf.bool),
         log_prob=tf.zeros([batch_size], tf.float32),
         lengths=tf.zeros([batch_size], tf.int32),
+        memory=(encoder_output, source_mask, limits),
+        cache=model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {},
         tokens=tf.zeros([batch_size, steps], tf.int32),
-        cache=model.init_decoding_cache(encoder_output, steps) if use_cache else {},
+        log_prob_out=tf.zeros([batch_size], tf.float32),
+        lengths_out=tf.zeros([batch_size], tf.int32),
     )
     state = _while_loop(not_done, step, state)
-    return _trim(state.tokens), state.log_prob / length_penalty(state.lengths, alpha)
+    return _trim(state.tokens), state.log_prob_out / length_penalty(state.lengths_out, alpha)
+
+
+def _drop_finished(state):
+    """The greedy state without its finished rows (their results are in the batch-wide fields)."""
+    keep = tf.reshape(tf.where(~state.finished), [-1])
+    active = tf.nest.map_structure(
+        lambda x: tf.gather(x, keep),
+        (state.rows, state.last, state.finished, state.log_prob, state.lengths, state.memory, state.cache),
+    )
+    return state._replace(**dict(zip(("rows", "last", "finished", "log_prob", "lengths", "memory", "cache"), active)))
 
 
 def _beam_candidates(alive_log_prob, log_probs, alive_tokens, cache_index, end_id, k):
@@ -341,20 +401,23 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     rows = k + 1  # per sentence: k beams, then the greedy hypothesis
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
-    cache = model.init_decoding_cache(encoder_output, steps) if use_cache else {}
+    cache = model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {}
     # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
     cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache)
-    encoder_output = tf.repeat(encoder_output, rows, axis=0)
-    source_mask = tf.repeat(source_mask, rows, axis=0)
-    row_limits = tf.repeat(limits, rows, axis=0)
-    next_logits = _next_logits_fn(model, encoder_output, source_mask, start_id, use_cache)
+    memory = (tf.repeat(encoder_output, rows, axis=0), tf.repeat(source_mask, rows, axis=0), limits)
+    next_logits = _next_logits_fn(model, start_id, use_cache)
+    # Done sentences leave the batch (XLA needs fixed shapes, so there every sentence stays).
+    compact = not in_xla_context()
 
     def step(state):
-        cache_index = state.cache_index
+        cache_index, (encoder_output, source_mask, limits) = state.cache_index, state.memory
+        batch_size = tf.shape(state.last)[0]
         outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
         outputs = tf.reshape(outputs, [batch_size * rows, -1])
-        logits, cache = next_logits(cache_index, tf.reshape(state.last, [-1]), outputs, state.cache)
-        log_probs = _next_token_log_probs(logits, cache_index + 1 >= row_limits, end_id)
+        logits, cache = next_logits(
+            cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
+        )
+        log_probs = _next_token_log_probs(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id)
         log_probs = tf.reshape(log_probs, [batch_size, rows, tf.shape(log_probs)[-1]])
 
         greedy_token, greedy_tokens, greedy_log_prob, greedy_ends = _greedy_step(
@@ -369,7 +432,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
         if use_cache:
             cache = _reorder_cache(cache, tf.concat([alive_beam, tf.fill([batch_size, 1], k)], axis=1))
-        state = _BeamState(
+        state = _stop_early(state._replace(
             cache_index=cache_index + 1,
             last=tf.concat([alive_token, greedy_token[:, None]], axis=1),
             alive_tokens=alive_tokens,
@@ -382,8 +445,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             greedy_log_prob=greedy_log_prob,
             greedy_done=state.greedy_done | greedy_ends,
             cache=cache,
-        )
-        return _stop_early(state, limits, alpha)
+            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, state.sentences[:, None], finished_tokens[:, 0]),
+            best_scores=tf.tensor_scatter_nd_update(state.best_scores, state.sentences[:, None], finished_scores[:, 0]),
+        ), limits, alpha)
+        if not compact:
+            return state
+        done = state.beam_done & state.greedy_done
+        return tf.cond(tf.reduce_any(done), lambda: _drop_done(state, rows), lambda: state)
 
     def not_done(state):
         return tf.logical_and(
@@ -403,10 +471,29 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         greedy_tokens=tf.zeros([batch_size, steps], tf.int32),
         greedy_log_prob=tf.zeros([batch_size], tf.float32),
         greedy_done=tf.zeros([batch_size], tf.bool),
+        sentences=tf.range(batch_size),
+        memory=memory,
         cache=cache,
+        best_tokens=tf.zeros([batch_size, steps], tf.int32),
+        best_scores=tf.fill([batch_size], _NEG),
     )
     state = _while_loop(not_done, step, state)
-    return _trim(state.finished_tokens[:, 0]), state.finished_scores[:, 0]
+    return _trim(state.best_tokens), state.best_scores
+
+
+def _drop_done(state, rows):
+    """The beam state without its done sentences (their results are in `best_tokens`/`best_scores`)."""
+    keep = tf.reshape(tf.where(~(state.beam_done & state.greedy_done)), [-1])
+    keep_rows = tf.reshape(keep[:, None] * rows + tf.range(rows, dtype=keep.dtype)[None], [-1])
+    encoder_output, source_mask, limits = state.memory
+    by_sentence = {name: tf.gather(getattr(state, name), keep) for name in (
+        "last", "alive_tokens", "alive_log_prob", "finished_tokens", "finished_scores", "num_finished",
+        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences")}
+    return state._replace(
+        **by_sentence,
+        memory=(tf.gather(encoder_output, keep_rows), tf.gather(source_mask, keep_rows), tf.gather(limits, keep)),
+        cache=tf.nest.map_structure(lambda c: tf.gather(c, keep_rows), state.cache),
+    )
 
 
 def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_tokens, end_id=None):
@@ -478,7 +565,7 @@ def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_t
         return tf.logical_and(generated < max_new_tokens, tf.logical_not(tf.reduce_all(state.finished)))
 
     # The whole prompt in one pass; the last generated token is never read, hence the - 1.
-    cache = decoder.empty_cache(batch_size, prompt_length + max_new_tokens - 1)
+    cache = decoder.empty_cache(batch_size, _cache_length(prompt_length + max_new_tokens - 1))
     log_probs, cache = next_log_probs(prompt_ids, 0, cache)
     token, tokens, log_prob, ends = _greedy_step(
         log_probs, 0, tf.zeros([batch_size, max_new_tokens], tf.int32), tf.zeros([batch_size]), all_false, end_id

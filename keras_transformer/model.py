@@ -269,13 +269,16 @@ class Transformer(keras.Model):
         }
 
     def init_decoding_cache(self, encoder_output, max_length):
-        """Caches for `decode_step`: empty self-attention keys/values for
-        `max_length` target positions, and the cross-attention keys/values of
-        `encoder_output`, projected once here.
+        """Caches for `decode_step`: empty self-attention keys/values, and the
+        cross-attention keys/values of `encoder_output`, projected once here.
+
+        `max_length`: 0 for a self-attention cache that grows at each step
+        (fastest outside XLA), or the most target positions, for a fixed
+        buffer (XLA needs fixed shapes); see `MultiHeadAttention`.
 
         Returns `{"self_attention": [...], "cross_attention": [...]}`, one
         `(keys, values)` pair per decoder layer, each tensor
-        `[batch, length, num_heads, d_model // num_heads]`: batch first
+        `[batch, num_heads, length, d_model // num_heads]`: batch first
         everywhere, so beam search reorders every tensor on axis 0.
         """
         self._build_once()

@@ -177,6 +177,30 @@ def _sources_of_2_and_6_tokens():
     return source
 
 
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_finished_sentences_leave_the_batch(decode, monkeypatch):
+    """Outside XLA a step decodes only the sentences still going: once the shorter source reaches its
+    limit (source length + 50), the decoder gets one sentence's rows (1 for greedy, k + 1 for beam)."""
+    model = _never_ending_model()
+    rows_per_step = []
+    decode_step = model.decode_step
+
+    def counting_decode_step(token_ids, *args):
+        rows_per_step.append(int(tf.shape(token_ids)[0]))
+        return decode_step(token_ids, *args)
+
+    monkeypatch.setattr(model, "decode_step", counting_decode_step)
+    source = _sources_of_2_and_6_tokens()
+    if decode == "greedy":
+        tokens, _ = kt.greedy_decode(model, source, START, END)  # eagerly: the loop runs in Python
+        rows = 1
+    else:
+        tokens, _ = kt.beam_search(model, source, START, END, beam_size=2)
+        rows = 3
+    assert rows_per_step == [2 * rows] * 52 + [rows] * 4
+    assert (tokens.numpy()[0, 52:] == 0).all() and tokens.shape[1] == 56
+
+
 def test_default_limit_is_source_length_plus_50():
     model = _never_ending_model()
     source = _sources_of_2_and_6_tokens()

@@ -1,31 +1,11 @@
-"""The training precision: mixed precision only where the hardware computes it natively.
-
-bfloat16 on a CPU without native support is emulated and slower than float32
-(measured 0.84x on an AVX2-only EPYC; about 2x faster with AVX512_BF16 or AMX),
-so `"mixed_precision": "auto"` (the default) reads the CPU flags.
-"""
+"""The training precision: mixed precision only where the hardware computes it natively
+(`keras_transformer.hardware` reads the CPU flags)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import tensorflow as tf
 
-# CPU flags (as /proc/cpuinfo names them) of native bfloat16 matrix arithmetic.
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags(cpuinfo="/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
+from keras_transformer.hardware import NATIVE_BF16_CPU_FLAGS, native_bf16_flags
 
 def gpu_compute_capabilities() -> list[tuple[int, int]]:
     return [tuple(tf.config.experimental.get_device_details(gpu).get("compute_capability") or (0, 0))
@@ -54,8 +34,7 @@ def choose_policy(setting, flags=None, gpu_capabilities=None) -> tuple[str, str]
         if oldest >= (7, 0):
             return "mixed_float16", f"the GPUs have float16 tensor cores (compute capability {oldest[0]}.{oldest[1]})"
         return "float32", f"the GPUs have no fast half precision (compute capability {oldest[0]}.{oldest[1]})"
-    flags = cpu_flags() if flags is None else set(flags)
-    native = sorted(flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags)
+    native = native_bf16_flags(flags)
     if native:
         return "mixed_bfloat16", f"the CPU computes bfloat16 natively ({', '.join(native)})"
     return "float32", "the CPU has no native bfloat16 (no avx512_bf16 or amx_bf16), where it is slower than float32"
