@@ -18,7 +18,7 @@ test: venv
 	$(PY) -m pytest tests -q
 
 # The README's main command, Multi30k SRC->TGT end to end: train with configs/multi30k.json (small preset,
-# at most 50 minutes of training), average the last 5 epoch checkpoints, score beam search on test_2016_flickr
+# 22 epochs on any machine), average the last 5 epoch checkpoints, score beam search on test_2016_flickr
 # with sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English.
 SRC ?= en
 TGT ?= de

@@ -10,6 +10,7 @@ import time
 
 import keras
 
+from training.errors import BackupError
 from training.keras_internals import BackupAndRestoreState
 
 
@@ -27,16 +28,38 @@ class ResumableBackup(BackupAndRestoreState):
         self.resumed = None
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
-        if self.metadata_path.exists():
-            meta = json.loads(self.metadata_path.read_text())
+        # Not Keras' own restore: it falls back to the previous backup only on an OSError from the
+        # weights, and a cut or corrupt metadata file gives a traceback.
+        pairs = [(self.weights_path, self.metadata_path)]
+        if self.previous_paths:
+            pairs.append(tuple(previous for _, previous in self.previous_paths))
+        pairs = [(w, m) for w, m in pairs if w.exists() or m.exists()]
+        failures = []
+        for weights, metadata in pairs:
+            try:
+                meta = self.load_backup(weights, metadata)
+            except Exception as e:  # noqa: BLE001  (h5py, JSON and Keras raise many kinds)
+                failures.append(f"{weights} / {metadata.name}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"[kt-train] cannot read the backup {weights} ({type(e).__name__}); "
+                      "trying the previous one", flush=True)
+                continue
+            if failures:  # the previous pair becomes the current one again, so the next backup keeps it
+                for source, target in ((weights, self.weights_path), (metadata, self.metadata_path)):
+                    shutil.copyfile(source, f"{target}.tmp")
+                    os.replace(f"{target}.tmp", target)
             self.resumed = meta
             self.current_epoch = meta["epoch"]
-            print(f"[kt-train] resumed from backup: epoch {meta['epoch'] + 1} "
-                  f"(backup taken after batch {meta.get('batch', 0)} of it), "
+            print(f"[kt-train] resumed from backup{' (the previous one)' if failures else ''}: "
+                  f"epoch {meta['epoch'] + 1} (backup taken after batch {meta.get('batch', 0)} of it), "
                   f"optimizer step {int(self.model.optimizer.iterations.numpy())}", flush=True)
-        else:
-            print("[kt-train] no backup found: starting at epoch 1, optimizer step 0", flush=True)
+            return
+        if failures:
+            raise BackupError(
+                f"No backup in {self.weights_path.parent} can be read:\n  " + "\n  ".join(failures)
+                + f"\nTo start this run from the beginning, delete {self.weights_path.parent} "
+                "(or train into another --model-dir)."
+            )
+        print("[kt-train] no backup found: starting at epoch 1, optimizer step 0", flush=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch

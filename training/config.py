@@ -109,9 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
     g.add_argument("--backup-every", type=int, help="BackupAndRestore every N steps (default: every epoch)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--verbose", type=int, help="Keras fit verbosity: 0, 1 progress bar, 2 one line per epoch "
-                   "(default: 1 on a terminal, 2 otherwise)")
+    g.add_argument("--verbose", nargs="?", const="auto", type=_verbosity, metavar="N",
+                   help="show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: "
+                   "0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, 2 otherwise)")
     return p
+
+
+def _verbosity(value):
+    return value if value == "auto" else int(value)
 
 
 def resolve_config(argv=None) -> dict:

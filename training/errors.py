@@ -15,3 +15,7 @@ class LineCountMismatchError(DataError):
 
 class ConfigError(ValueError):
     """A training configuration that cannot work (the message says why)."""
+
+
+class BackupError(RuntimeError):
+    """No backup of the run can be read (the message names the files and how to start fresh)."""

@@ -7,6 +7,8 @@ upgrade, recheck each use below against Keras' source and its tests
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import keras
@@ -89,6 +91,26 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
 
     def _save_model(self):
         self.save_backup()
+
+    def load_backup(self, weights_path, metadata_path) -> dict:
+        """Restores the model (and optimizer) from one backup pair as Keras' `_load_model` does,
+        and sets the epoch `fit` starts at; returns the metadata. Raises if either file is unreadable."""
+        meta = json.loads(Path(metadata_path).read_text())
+        epoch = int(meta["epoch"])
+        if self.model.optimizer is not None and not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        weights_path = Path(weights_path)
+        if weights_path.name.endswith(".weights.h5"):
+            self.model.load_weights(str(weights_path))
+        else:  # the previous backup (".bkp"): Keras reads weights only from a file named *.weights.h5
+            readable = weights_path.with_name("restore.weights.h5")
+            shutil.copyfile(weights_path, readable)
+            try:
+                self.model.load_weights(str(readable))
+            finally:
+                readable.unlink()
+        self.model._initial_epoch = epoch
+        return meta
 
     def save_backup(self):
         super()._save_model()

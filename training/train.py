@@ -12,20 +12,29 @@ import logging
 import os
 import sys
 
-# Before TensorFlow is imported (by training.fit): keep its C++ INFO lines out of the terminal.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from export.native_logs import import_tensorflow_quietly, wants_logs
 
-from training.config import resolve_config  # noqa: E402
-from training.errors import ConfigError, DataError  # noqa: E402
-from training.fit import train  # noqa: E402
+# Before TensorFlow is imported: keep its C++ INFO lines out of the terminal.
+if not os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not wants_logs(argv):
+        # TFDS logs through absl at INFO ("Load dataset info", "interleave_cycle_length", ...).
+        logging.getLogger("absl").setLevel(logging.WARNING)
+    import_tensorflow_quietly(enabled=not wants_logs(argv))
+    # Imported here, after TensorFlow was imported quietly: training.fit imports it.
+    from training.config import resolve_config
+    from training.errors import BackupError, ConfigError, DataError
+    from training.fit import train
+
     cfg = resolve_config(argv)
     try:
         summary = train(cfg)
-    except (DataError, ConfigError) as e:
+    except (DataError, ConfigError, BackupError) as e:
         print(f"kt-train: error: {e}", file=sys.stderr)
         return 2
     return 1 if summary.get("nan_loss") else 0
