@@ -71,6 +71,7 @@ update are not counted; the causal decoder self-attention is counted in full
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -277,6 +278,8 @@ def matmul_worker(args) -> list:
 
     rows = []
     for precision, dtype in dtypes.items():
+        if precision not in args.precisions:
+            continue
         for n in args.matmul_sizes:
             run = make(n, dtype)
             run()
@@ -293,11 +296,23 @@ def matmul_worker(args) -> list:
 # ---------------------------------------------------------------- driver
 
 
+def _native_bf16_flags():
+    """keras_transformer.hardware.native_bf16_flags(), loaded from its file alone: importing the package
+    would import TensorFlow into this parent process."""
+    spec = importlib.util.spec_from_file_location("kt_hardware", REPO / "keras_transformer" / "hardware.py")
+    hardware = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hardware)
+    return hardware.native_bf16_flags()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS)
     p.add_argument("--presets", nargs="+", default=["small", "base"], choices=list(PRESETS))
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--force-bf16", action="store_true",
+                   help="measure bf16 even on a CPU without native bfloat16 (skipped there by default: it is "
+                   "emulated, and torch's bf16 matmul ran for over 18 minutes on an AVX2-only EPYC)")
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--length", type=int, default=32, help="tokens per sentence (source and target)")
     p.add_argument("--vocab-size", type=int, default=8000)
@@ -323,6 +338,12 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
+    if "bf16" in args.precisions and not _native_bf16_flags() and not args.force_bf16:
+        args.precisions = [p for p in args.precisions if p != "bf16"]
+        print("skipping bf16: this CPU has no native bfloat16 (avx512_bf16/amx_bf16); --force-bf16 measures it",
+              flush=True)
+        if not args.precisions:
+            return 0
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     common = ["--threads", str(args.threads), "--tokens-per-batch", str(args.tokens_per_batch),
@@ -333,6 +354,7 @@ def main(argv=None) -> int:
     if args.matmul_sizes:
         for framework in ("tensorflow", "torch"):
             cmd = [sys.executable, __file__, "--worker", "matmul", "--framework", framework,
+                   "--precisions", *args.precisions,
                    "--matmul-repeats", str(args.matmul_repeats), "--matmul-sizes",
                    *map(str, args.matmul_sizes), *common]
             rows, wall = run_worker(cmd, env, f"matmul peak {framework}")
