@@ -26,11 +26,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import tensorflow as tf
-from tensorflow_serving.apis import prediction_log_pb2
+from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-from export.graph_ops import registered_ops, saved_model_ops, unservable_ops
-from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator, decode_policy
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+quiet_import_for_commands(__name__)
+
+import tensorflow as tf  # noqa: E402
+from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
+
+from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
+from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator, decode_policy  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -111,6 +116,7 @@ def build_parser():
                         "when the server's CPU differs. model: the training policy")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
                    help="do not check that every op is one tensorflow_model_server has")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -14,6 +14,9 @@ import contextlib
 import os
 import sys
 import tempfile
+from pathlib import Path
+
+VERBOSE_HELP = "show TensorFlow's and absl's log lines (hidden by default)"
 
 
 @contextlib.contextmanager
@@ -51,3 +54,11 @@ def import_tensorflow_quietly(enabled=True):
 
         tf.config.list_physical_devices()
     return tf
+
+
+def quiet_import_for_commands(module_name):
+    """Called at the top of a command's module, before it imports TensorFlow: when the module runs as
+    a command (`python -m ...` or a `kt-*` console script), TensorFlow is imported quietly unless the
+    command line has `--verbose`. Imported as a library, nothing changes."""
+    if module_name == "__main__" or Path(sys.argv[0]).name.startswith("kt-"):
+        import_tensorflow_quietly(enabled=not wants_logs(sys.argv[1:]))

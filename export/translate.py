@@ -19,12 +19,17 @@ import os
 import sys
 from pathlib import Path
 
-import tensorflow as tf
-import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the SavedModel uses)
-from tqdm import tqdm
+from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-from export.client import RestClient
-from keras_transformer.text import split_lines
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+quiet_import_for_commands(__name__)
+
+import tensorflow as tf  # noqa: E402
+import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the SavedModel uses)
+from tqdm import tqdm  # noqa: E402
+
+from export.client import RestClient  # noqa: E402
+from keras_transformer.text import split_lines  # noqa: E402
 
 
 def resolve_saved_model(path) -> Path:
@@ -86,6 +91,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=32, help="sentences per request (default 32)")
     p.add_argument("--scores", action="store_true", help="write 'score<TAB>translation' lines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 

@@ -206,3 +206,17 @@ def test_kt_train_keeps_tensorflow_and_absl_log_lines_out_unless_verbose(tmp_pat
                           env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert loud.returncode == 0, loud.stderr
     assert "absl INFO" in loud.stdout + loud.stderr and "[kt-train] done" in loud.stdout + loud.stderr
+
+
+@pytest.mark.parametrize("command", ["training.evaluate", "training.average_checkpoints", "export.export_model"])
+def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(command, tmp_path):
+    """kt-evaluate, kt-average-checkpoints and kt-export: a bad --model-dir gets one clear line, with no
+    TensorFlow start-up lines around it; --verbose shows them."""
+    args = [sys.executable, "-m", command, "--model-dir", str(tmp_path / "missing")]
+    args += ["--export-dir", str(tmp_path / "exports")] if command == "export.export_model" else []
+    quiet = subprocess.run(args, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 2 and "config.json not found" in quiet.stderr, quiet.stderr
+    assert "oneDNN" not in quiet.stderr and "I0000" not in quiet.stderr and "Traceback" not in quiet.stderr
+    loud = subprocess.run(args + ["--verbose"], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert "oneDNN custom operations" in loud.stderr and "config.json not found" in loud.stderr

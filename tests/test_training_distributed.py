@@ -7,6 +7,8 @@ strategies must be set up before TensorFlow initializes its devices.
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -217,26 +219,38 @@ def _free_ports(n):
     return ports
 
 
-@needs_multi30k
-def test_two_worker_multiworker_mirrored(tmp_path):
-    src, tgt = _small_corpus(tmp_path, n=300)
-    model_dir = tmp_path / "mw"
+def _start_workers(cmd, log_paths):
+    """Two kt-train workers of one MultiWorkerMirroredStrategy cluster on 127.0.0.1: [(process, log file)]."""
     workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
     procs = []
-    for i in range(2):
+    for i, log_path in enumerate(log_paths):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        cmd = _train_cmd(model_dir, src, tgt, "--epochs", "1", "--steps-per-epoch", "4")
-        log = open(tmp_path / f"worker{i}.log", "w")
+        log = open(log_path, "w")
         procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(TF_CONFIG=json.dumps(tf_config)),
                                        stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def _wait_all(procs, timeout):
+    """Waits for every worker; kills what is left and closes the logs."""
     try:
         for p, _ in procs:
-            p.wait(timeout=240)
+            p.wait(timeout=timeout)
     finally:
         for p, log in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait(30)
             log.close()
+
+
+@needs_multi30k
+def test_two_worker_multiworker_mirrored(tmp_path):
+    src, tgt = _small_corpus(tmp_path, n=300)
+    model_dir = tmp_path / "mw"
+    cmd = _train_cmd(model_dir, src, tgt, "--epochs", "1", "--steps-per-epoch", "4")
+    procs = _start_workers(cmd, [tmp_path / f"worker{i}.log" for i in range(2)])
+    _wait_all(procs, 240)
     outs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -249,3 +263,64 @@ def test_two_worker_multiworker_mirrored(tmp_path):
     # The logged loss is averaged over the workers, so both report the same value.
     assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=1e-6)
     assert (model_dir / "model.keras").exists()  # written by the chief (worker 0)
+
+
+@needs_multi30k
+def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
+    """MultiWorkerMirroredStrategy on 127.0.0.1: worker 2 is SIGKILLed mid-epoch (the chief, blocked in a
+    collective, is stopped too, as a job scheduler would), then both start again with the same command.
+    Worker 2 died one backup behind the chief; both resume from the backup both have (not each its own,
+    which deadlocked them), and every planned epoch is trained."""
+    src, tgt = _small_corpus(tmp_path, n=300)
+    model_dir = tmp_path / "mw"
+    epochs, steps = 3, 20
+
+    cmd = _train_cmd(model_dir, src, tgt, "--epochs", str(epochs), "--steps-per-epoch", str(steps),
+                     "--backup-every", "5")
+
+    def start(run):
+        return _start_workers(cmd, [tmp_path / f"run{run}-worker{i}.log" for i in range(2)])
+
+    procs = start(1)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and all(p.poll() is None for p, _ in procs):
+            meta = _read_meta(model_dir / "backup" / "training_metadata.json")
+            if meta and meta["epoch"] >= 1 and meta["batch"] > 0:  # mid-way through epoch 2
+                break
+            time.sleep(0.05)
+        assert all(p.poll() is None for p, _ in procs), (tmp_path / "run1-worker0.log").read_text()[-3000:]
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        time.sleep(2)
+        os.kill(procs[0][0].pid, signal.SIGKILL)
+    finally:
+        _wait_all(procs, 30)
+
+    # A worker killed between the chief's backup and its own is one backup behind; make sure this run has
+    # that case (it usually happens by itself: the chief writes first).
+    chief, other = model_dir / "backup", model_dir / ".worker-1" / "backup"
+    if _read_meta(other / "training_metadata.json") == _read_meta(chief / "training_metadata.json"):
+        for name in ("latest.weights.h5", "training_metadata.json"):
+            shutil.copyfile(other / f"{name}.bkp", other / name)
+    behind = _read_meta(other / "training_metadata.json")
+    assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
+
+    procs = start(2)
+    _wait_all(procs, 400)
+    outs = [(tmp_path / f"run2-worker{i}.log").read_text() for i in range(2)]
+    for (p, _), out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    resumed = [[line for line in out.splitlines() if "[kt-train] resumed from backup" in line] for out in outs]
+    # Both workers resume from the backup both have: the one the lagging worker has.
+    assert resumed[0] and resumed[0] == resumed[1] and f"optimizer step {behind['step']}" in resumed[0][0]
+    assert "another worker's newest backup is older than this worker's" in outs[0]
+    summaries = [json.loads(out.split("[kt-train] done ")[1].splitlines()[0]) for out in outs]
+    assert summaries[0]["epochs_run"] == summaries[1]["epochs_run"]
+    # The interrupted epoch runs again from its start, continuing the optimizer's step count (as on one process).
+    epoch, step = map(int, re.search(r"epoch (\d+) \(backup.*optimizer step (\d+)", resumed[0][0]).groups())
+    assert summaries[0]["epochs_run"] == list(range(epoch, epochs + 1))
+    assert summaries[0]["optimizer_steps"] == summaries[1]["optimizer_steps"] == step + (epochs - epoch + 1) * steps
+    # Every planned epoch is in the history, none lost (the interrupted one appears twice: it ran again).
+    rows = (model_dir / "history.csv").read_text().strip().splitlines()[1:]
+    assert sorted({int(r.split(",")[0]) for r in rows}) == list(range(epochs))
+    assert (model_dir / "model.keras").exists()

@@ -16,12 +16,17 @@ import re
 import sys
 from pathlib import Path
 
-import keras
-import numpy as np
+from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
+
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+quiet_import_for_commands(__name__)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: F401  (registers the serializable classes model.keras needs)
-from export.translator import MODEL_FILENAME, read_config
-from training.config import CHECKPOINT_DIR
+from export.translator import MODEL_FILENAME, read_config  # noqa: E402
+from training.config import CHECKPOINT_DIR  # noqa: E402
 
 _EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
 
@@ -53,9 +58,14 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--last", type=int, default=5, help="average the last N epoch checkpoints (default 5)")
     p.add_argument("--output", help="output .keras file (default MODEL_DIR/averaged.keras)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
 
-    cfg = read_config(args.model_dir)
+    try:
+        cfg = read_config(args.model_dir)
+    except FileNotFoundError as e:
+        print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
+        return 2
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
         print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",

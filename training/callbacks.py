@@ -9,6 +9,7 @@ import shutil
 import time
 
 import keras
+import tensorflow as tf
 
 from training.errors import BackupError
 from training.keras_internals import BackupAndRestoreState
@@ -23,9 +24,10 @@ class ResumableBackup(BackupAndRestoreState):
     for a fresh start).
     """
 
-    def __init__(self, backup_dir, save_freq="epoch"):
+    def __init__(self, backup_dir, save_freq="epoch", num_workers=1):
         super().__init__(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
         self.resumed = None
+        self.num_workers = num_workers
 
     def on_train_begin(self, logs=None):
         # Not Keras' own restore: it falls back to the previous backup only on an OSError from the
@@ -34,6 +36,8 @@ class ResumableBackup(BackupAndRestoreState):
         if self.previous_paths:
             pairs.append(tuple(previous for _, previous in self.previous_paths))
         pairs = [(w, m) for w, m in pairs if w.exists() or m.exists()]
+        if self.num_workers > 1:
+            pairs = self._pairs_every_worker_has(pairs)
         failures = []
         for weights, metadata in pairs:
             try:
@@ -60,6 +64,33 @@ class ResumableBackup(BackupAndRestoreState):
                 "(or train into another --model-dir)."
             )
         print("[kt-train] no backup found: starting at epoch 1, optimizer step 0", flush=True)
+
+    def _pairs_every_worker_has(self, pairs):
+        """The backups (current, previous) that every worker also has, by optimizer step.
+
+        Each worker writes its own backup at the same steps, but a worker killed
+        between the others' write and its own is one backup behind, and workers
+        resuming from different steps would deadlock in their collectives. The
+        workers average their newest steps (all-reduce): a worker whose newest is
+        above the mean is ahead, and drops what the others do not have.
+        """
+        def step(metadata):
+            try:
+                return int(json.loads(metadata.read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return -1
+
+        steps = [step(m) for _, m in pairs]
+        newest = max(steps, default=-1)
+        strategy = self.model.distribute_strategy
+        mean = float(strategy.reduce(tf.distribute.ReduceOp.MEAN,
+                                     strategy.run(lambda: tf.constant(float(newest))), axis=None))
+        if newest <= mean:
+            return pairs
+        kept = [pair for pair, s in zip(pairs, steps) if s <= mean]
+        print(f"[kt-train] another worker's newest backup is older than this worker's (step {newest}): "
+              f"resuming from {'the previous backup' if kept else 'the start'}, as it does", flush=True)
+        return kept
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch

@@ -22,15 +22,21 @@ import sys
 import time
 from pathlib import Path
 
-import tensorflow as tf
-import tensorflow_datasets as tfds
-from sacrebleu.metrics import BLEU, CHRF
-from tqdm import tqdm
+from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-from export.translate import translate_lines
-from export.translator import Translator, read_config
-from keras_transformer.text import read_lines
-from training.data import DataSpec, load_text_pairs
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+quiet_import_for_commands(__name__)
+
+import tensorflow as tf  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+from sacrebleu.metrics import BLEU, CHRF  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from export.translate import translate_lines  # noqa: E402
+from export.translator import Translator, read_config  # noqa: E402
+from keras_transformer.text import read_lines  # noqa: E402
+from training.data import DataSpec, load_text_pairs  # noqa: E402
+from training.errors import DataError  # noqa: E402
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
@@ -85,6 +91,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
 
@@ -113,7 +120,15 @@ def print_scores(scores: dict) -> None:
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
+    try:
+        return evaluate(args)
+    except (FileNotFoundError, DataError) as e:
+        print(f"kt-evaluate: error: {e}", file=sys.stderr)
+        return 2
 
+
+def evaluate(args) -> int:
+    """kt-evaluate's work for parsed `args` (see `build_parser`)."""
     if args.hypotheses:
         if not args.references and not args.model_dir:
             raise SystemExit("--hypotheses needs --references (or --model-dir and --split)")

@@ -183,7 +183,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
           f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
 
-    backup = ResumableBackup(out_dir / "backup", cfg["backup_every"] or "epoch")
+    backup = ResumableBackup(out_dir / "backup", cfg["backup_every"] or "epoch", num_workers=num_workers)
     callbacks = [
         backup,
         keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
