@@ -158,3 +158,25 @@ def test_average_checkpoints(trained_dir):
     assert max(float(np.abs(a - b).max()) for a, b in zip(w2, w3)) > 1e-4  # checkpoints differ
     for a, b, m in zip(w2, w3, avg):
         np.testing.assert_allclose(m, (a.astype(np.float64) + b) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_translate_all_shows_progress_over_the_batches(capsys):
+    """kt-evaluate's progress bar (stderr): it counts every sentence, batch after batch, to the total."""
+    import tensorflow as tf
+
+    from training.evaluate import translate_all
+
+    calls = []
+
+    class Echo:  # a Translator's greedy function: the text back, with a score
+        @staticmethod
+        def translate_greedy(text):
+            calls.append(int(tf.size(text)))
+            return {"translation": text, "score": tf.zeros(tf.shape(text))}
+
+    sources = [f"sentence {i}" for i in range(150)]
+    assert translate_all(Echo(), sources, beam_size=1, batch_size=64, progress=True) == sources
+    assert calls == [64, 64, 22]
+    assert "150/150" in capsys.readouterr().err
+    translate_all(Echo(), sources, beam_size=1, batch_size=64, progress=False)
+    assert "150/150" not in capsys.readouterr().err

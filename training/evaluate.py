@@ -91,6 +91,8 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (shown on stderr when there is more than one batch, as kt-translate does)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
 
@@ -153,7 +155,8 @@ def evaluate(args) -> int:
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]
     t0 = time.time()
-    hyps = translate_all(translator, sources, args.beam_size, args.batch_size, progress=sys.stderr.isatty())
+    progress = not args.no_progress and len(sources) > args.batch_size
+    hyps = translate_all(translator, sources, args.beam_size, args.batch_size, progress=progress)
     elapsed = time.time() - t0
     dataset = args.dataset or cfg.get("training", {}).get("dataset", "multi30k")
     default_split = "test_2016_flickr" if dataset == "multi30k" else "test"
