@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_transformer.hardware import NATIVE_BF16_CPU_FLAGS, native_bf16_flags
+from keras_transformer.hardware import native_bf16_flags
 
 def gpu_compute_capabilities() -> list[tuple[int, int]]:
     return [tuple(tf.config.experimental.get_device_details(gpu).get("compute_capability") or (0, 0))
@@ -18,7 +18,7 @@ def choose_policy(setting, flags=None, gpu_capabilities=None) -> tuple[str, str]
     True forces mixed precision (mixed_float16 on a GPU, mixed_bfloat16 on a CPU), False forces
     float32. "auto": on GPUs, mixed_bfloat16 from compute capability 8.0 (Ampere), mixed_float16
     from 7.0 (tensor cores), else float32; on a CPU, mixed_bfloat16 only with native bfloat16
-    (`NATIVE_BF16_CPU_FLAGS`). `flags` and `gpu_capabilities` default to this machine's.
+    (`keras_transformer.hardware.NATIVE_BF16_CPU_FLAGS`). `flags` and `gpu_capabilities` default to this machine's.
     """
     gpus = gpu_compute_capabilities() if gpu_capabilities is None else gpu_capabilities
     if setting is True:
