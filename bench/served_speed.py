@@ -50,18 +50,6 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} logical CPUs; flags: {' '.join(wanted)}"
 
 
-def translate_fn(signature):
-    """`texts -> (translations, scores)` through a loaded signature, for `export.translate.translate_lines`
-    (the batching of kt-translate: sentences sorted by length)."""
-    import tensorflow as tf
-
-    def translate(texts):
-        out = signature(text=tf.constant(texts))
-        return [t.decode("utf-8") for t in out["translation"].numpy().tolist()], out["score"].numpy().tolist()
-
-    return translate
-
-
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +71,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
     import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the graphs use)
 
-    from export.translate import translate_lines
+    from export.translate import SavedModelTranslator, translate_lines
     from keras_transformer.text import read_lines
 
     exports = dict(e.split("=", 1) for e in args.export)
@@ -92,12 +80,11 @@ def main(argv=None) -> int:
     references = read_lines(data / f"{args.split}.{args.target_lang}")[:args.limit]
     print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}; {len(sources)} sentences of {args.split}", flush=True)
 
-    loaded = {name: tf.saved_model.load(path) for name, path in exports.items()}
     results, outputs = [], {}
     for signature in args.signatures.split(","):
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             texts = sources[:args.batch1_limit] if batch_size == 1 else sources
-            fns = {name: translate_fn(m.signatures[signature]) for name, m in loaded.items()}
+            fns = {name: SavedModelTranslator(path, signature) for name, path in exports.items()}
             for name, fn in fns.items():  # warm-up: tracing, compilation, first allocations
                 translate_lines(fn, texts[:batch_size * 2], batch_size)
             seconds = {name: [] for name in fns}
