@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from keras_transformer.hardware import native_bf16_flags
 
+
 def gpu_compute_capabilities() -> list[tuple[int, int]]:
     return [tuple(tf.config.experimental.get_device_details(gpu).get("compute_capability") or (0, 0))
             for gpu in tf.config.list_physical_devices("GPU")]

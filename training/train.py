@@ -12,11 +12,17 @@ import logging
 import os
 import sys
 
-from export.native_logs import import_tensorflow_quietly, wants_logs
+from export.native_logs import quiet_import_for_commands, wants_logs
 
-# Before TensorFlow is imported: keep its C++ INFO lines out of the terminal.
+# Before TensorFlow is imported: keep its C++ INFO lines, and as a command its start-up lines
+# (see export/native_logs.py), out of the terminal.
 if not os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+quiet_import_for_commands(__name__)
+
+from training.config import resolve_config  # noqa: E402
+from training.errors import BackupError, ConfigError, DataError  # noqa: E402
+from training.fit import train  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -25,12 +31,6 @@ def main(argv=None) -> int:
     if not wants_logs(argv):
         # TFDS logs through absl at INFO ("Load dataset info", "interleave_cycle_length", ...).
         logging.getLogger("absl").setLevel(logging.WARNING)
-    import_tensorflow_quietly(enabled=not wants_logs(argv))
-    # Imported here, after TensorFlow was imported quietly: training.fit imports it.
-    from training.config import resolve_config
-    from training.errors import BackupError, ConfigError, DataError
-    from training.fit import train
-
     cfg = resolve_config(argv)
     try:
         summary = train(cfg)
