@@ -63,7 +63,8 @@ class _BeamState(NamedTuple):
     greedy_log_prob: tf.Tensor  # [batch]
     greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
     sentences: tf.Tensor  # [batch] each sentence's row in the input batch
-    memory: Any  # (encoder output, source mask) per row `[batch * (k + 1), ...]`, output limits `[batch]`
+    limits: tf.Tensor  # [batch] each sentence's most output tokens
+    memory: Any  # (encoder output, source mask), per row `[batch * (k + 1), ...]`
     cache: Any  # Transformer.init_decoding_cache for [batch * (k + 1)] rows, or {}
     best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
     best_scores: tf.Tensor  # [input batch] its score
@@ -285,11 +286,7 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
 def _drop_finished(state):
     """The greedy state without its finished rows (their results are in the batch-wide fields)."""
     keep = tf.reshape(tf.where(~state.finished), [-1])
-    active = tf.nest.map_structure(
-        lambda x: tf.gather(x, keep),
-        (state.rows, state.last, state.finished, state.log_prob, state.lengths, state.memory, state.cache),
-    )
-    return state._replace(**dict(zip(("rows", "last", "finished", "log_prob", "lengths", "memory", "cache"), active)))
+    return _gather_fields(state, keep, ("rows", "last", "finished", "log_prob", "lengths", "memory", "cache"))
 
 
 def _beam_candidates(alive_log_prob, log_probs, alive_tokens, cache_index, end_id, k):
@@ -347,7 +344,7 @@ def _reorder_cache(cache, source_row):
     }
 
 
-def _stop_early(state, limits, alpha):
+def _stop_early(state, alpha):
     """`state` with its beams, and greedy hypotheses, done where they can no longer win.
 
     A log-probability only falls as a hypothesis grows, so its best possible
@@ -355,7 +352,7 @@ def _stop_early(state, limits, alpha):
     `cache_index` tokens now, its limit at most). The result is
     unchanged; the loop just ends sooner.
     """
-    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(limits, alpha))
+    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(state.limits, alpha))
     best_finished = state.finished_scores[:, 0]
     return state._replace(
         beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
@@ -404,13 +401,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     cache = model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {}
     # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
     cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache)
-    memory = (tf.repeat(encoder_output, rows, axis=0), tf.repeat(source_mask, rows, axis=0), limits)
+    memory = (tf.repeat(encoder_output, rows, axis=0), tf.repeat(source_mask, rows, axis=0))
     next_logits = _next_logits_fn(model, start_id, use_cache)
     # Done sentences leave the batch (XLA needs fixed shapes, so there every sentence stays).
     compact = not in_xla_context()
 
     def step(state):
-        cache_index, (encoder_output, source_mask, limits) = state.cache_index, state.memory
+        cache_index, limits, (encoder_output, source_mask) = state.cache_index, state.limits, state.memory
         batch_size = tf.shape(state.last)[0]
         outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
         outputs = tf.reshape(outputs, [batch_size * rows, -1])
@@ -447,7 +444,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             cache=cache,
             best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, state.sentences[:, None], finished_tokens[:, 0]),
             best_scores=tf.tensor_scatter_nd_update(state.best_scores, state.sentences[:, None], finished_scores[:, 0]),
-        ), limits, alpha)
+        ), alpha)
         if not compact:
             return state
         done = state.beam_done & state.greedy_done
@@ -472,6 +469,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         greedy_log_prob=tf.zeros([batch_size], tf.float32),
         greedy_done=tf.zeros([batch_size], tf.bool),
         sentences=tf.range(batch_size),
+        limits=limits,
         memory=memory,
         cache=cache,
         best_tokens=tf.zeros([batch_size, steps], tf.int32),
@@ -485,15 +483,17 @@ def _drop_done(state, rows):
     """The beam state without its done sentences (their results are in `best_tokens`/`best_scores`)."""
     keep = tf.reshape(tf.where(~(state.beam_done & state.greedy_done)), [-1])
     keep_rows = tf.reshape(keep[:, None] * rows + tf.range(rows, dtype=keep.dtype)[None], [-1])
-    encoder_output, source_mask, limits = state.memory
-    by_sentence = {name: tf.gather(getattr(state, name), keep) for name in (
+    state = _gather_fields(state, keep, (
         "last", "alive_tokens", "alive_log_prob", "finished_tokens", "finished_scores", "num_finished",
-        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences")}
-    return state._replace(
-        **by_sentence,
-        memory=(tf.gather(encoder_output, keep_rows), tf.gather(source_mask, keep_rows), tf.gather(limits, keep)),
-        cache=tf.nest.map_structure(lambda c: tf.gather(c, keep_rows), state.cache),
-    )
+        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits"))
+    return _gather_fields(state, keep_rows, ("memory", "cache"))
+
+
+def _gather_fields(state, index, names):
+    """`state` with the fields `names` (tensors, or nests of them) cut to the rows `index` `[n]`."""
+    return state._replace(**{
+        name: tf.nest.map_structure(lambda x: tf.gather(x, index), getattr(state, name)) for name in names
+    })
 
 
 def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_tokens, end_id=None):
