@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from keras_transformer.linear import is_plain, matmul_2d, weight
 from keras_transformer.masking import causal_mask
 from keras_transformer.tf_internals import in_xla_context
 
@@ -44,9 +45,16 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
       - `max_length=n`: a fixed buffer of n positions. Its shape never
         changes, which XLA (`jit_compile=True`) needs; there the write is an
         in-place `dynamic_update_slice`.
+      In your own `tf.while_loop` (outside XLA), a cache whose length the
+      shape invariant leaves free (`None`) is taken to grow; keep a fixed
+      buffer's length in the invariant.
     - Cross-attention: build the cache once with `compute_cache(encoder_output)`
       and pass it with `cache_index=None`; keys and values are then
-      never projected again.
+      never projected again. A one-position query may have g consecutive
+      rows per cached sentence (beam search's g hypotheses): `query`
+      `[batch * g, 1, dim]` over a cache of `batch` sentences, with
+      `attention_mask` `[batch, 1, source_len]`; the cache is then not
+      repeated per hypothesis.
 
     In cached mode the call returns `(output, cache)` (or
     `(output, scores, cache)` with `return_attention_scores=True`), and the
@@ -107,22 +115,31 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
             output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
         else:
-            if cache_index is None:  # cross-attention: keys and values were projected once
-                query_heads = _project(query, self._query_dense)
-                key_heads, value_heads = cache
-            else:  # self-attention: write this step's keys and values into the cache
-                query_heads, new_keys, new_values = self._project_heads(query, value, key)
-                key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys))
-                value_heads = _write_at(cache[1], cache_index, _heads_first(new_values))
-                cache = (key_heads, value_heads)
-                causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
-                attention_mask = (
-                    causal
-                    if attention_mask is None
-                    else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
+            if cache_index is None and query.shape[1] == 1:  # cross-attention, one position per row
+                output, scores = self._attend_source(query, cache, attention_mask, training)
+            else:
+                if cache_index is None:  # cross-attention: keys and values were projected once
+                    query_heads = _project(query, self._query_dense)
+                    key_heads, value_heads = cache
+                else:  # self-attention: write this step's keys and values into the cache
+                    query_heads, new_keys, new_values = self._project_heads(query, value, key)
+                    grows = _grows(cache[0])
+                    key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys), grows)
+                    value_heads = _write_at(cache[1], cache_index, _heads_first(new_values), grows)
+                    cache = (key_heads, value_heads)
+                    # One new query at the end of a growing cache may attend to all of it: no causal
+                    # mask to build (the ops of a mask cost more than its arithmetic at one position).
+                    if not (grows and query.shape[1] == 1):
+                        causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
+                        attention_mask = (
+                            causal
+                            if attention_mask is None
+                            else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
+                        )
+                output, scores = self._attend(
+                    _heads_first(query_heads), key_heads, value_heads, attention_mask, training
                 )
-            output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
-            output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
+                output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
         output = _project_output(output, self._output_dense)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
@@ -160,18 +177,41 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         )
         return _heads_first(output), scores
 
+    def _attend_source(self, query, cache, attention_mask, training):
+        """Cross-attention of one position per row `query` `[rows, 1, dim]` over a cache of
+        `sentences` sentences, rows = sentences * g (g >= 1 consecutive rows per sentence).
+
+        A sentence's g rows (beam search's hypotheses) read its keys and values
+        through broadcasting, so they are neither repeated per hypothesis in
+        the cache nor transposed at each step. Returns the output
+        `[rows, 1, num_heads, value_dim]` and the weights `[rows, num_heads, 1, source_len]`.
+        """
+        keys, values = cache
+        sentences, source_len = tf.shape(keys)[0], tf.shape(keys)[2]
+        query_heads = tf.reshape(
+            _project(query, self._query_dense), [sentences, -1, self.num_heads, 1, self.key_dim]
+        )
+        mask = None if attention_mask is None else attention_mask[:, None]  # [sentences, 1, 1, source_len]
+        output, scores = self._attend(query_heads, keys[:, None], values[:, None], mask, training)
+        return (
+            tf.reshape(output, [-1, 1, self.num_heads, self.value_dim]),
+            tf.reshape(scores, tf.stack([-1, self.num_heads, 1, source_len])),
+        )
+
     def _attend(self, query, key, value, attention_mask, training):
         """Equation 1 on heads-first tensors: query `[batch, num_heads, query_len, dim]`,
         key and value `[batch, num_heads, key_len, dim]` -> output
         `[batch, num_heads, query_len, value_dim]` and the weights."""
         query = query * tf.cast(self._inverse_sqrt_key_dim, query.dtype)
+        mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)[:, None]
+        if query.shape[-2] == 1 and not in_xla_context() and not (training and self._dropout > 0.0):
+            return _attend_one_position(query, key, value, mask)
         scores = tf.matmul(query, key, transpose_b=True)
-        if attention_mask is None:
+        if mask is None:
             scores = tf.nn.softmax(scores)
         else:
             # As Keras' Softmax does: -1e9 before, and exact zeros after, so that
             # a row with nothing to attend to gets zero weights, not uniform ones.
-            mask = tf.cast(attention_mask, tf.bool)[:, None]
             scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
             scores = tf.where(mask, scores, tf.zeros_like(scores))
         weights = self._dropout_layer(scores, training=training) if self._dropout > 0.0 else scores
@@ -184,10 +224,45 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             and getattr(self, "_sliding_window", None) is None
             and tuple(self._attention_axes) == (1,)
             and all(
-                dense.quantization_mode is None
-                for dense in (self._query_dense, self._key_dense, self._value_dense, self._output_dense)
+                is_plain(dense) for dense in (self._query_dense, self._key_dense, self._value_dense, self._output_dense)
             )
         )
+
+
+# Below this many products (rows x heads x key_len x d_k), one query position's attention is
+# cheaper as elementwise products and sums than as oneDNN's batched matmul and softmax, whose fixed
+# cost per call (~40 us each on a 2-core EPYC) was most of a batch-1 decoding step's attention.
+# Measured crossover: batch 1 elementwise 12 us against 40-60 us; 64 rows 200 us against 140 us.
+_ELEMENTWISE_ATTENTION_MAX = 64 * 1024
+
+
+def _attend_one_position(query, key, value, mask):
+    """Equation 1 for one query position (a decoding step), outside XLA.
+
+    query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
+    leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
+    The softmax is written out in float32: the numbers of `tf.nn.softmax` without its per-call cost.
+    """
+    small = tf.size(query) * tf.shape(key)[-2] <= _ELEMENTWISE_ATTENTION_MAX
+    scores = tf.cond(
+        small,
+        lambda: tf.reduce_sum(query * key, axis=-1)[..., None, :],
+        lambda: tf.matmul(query, key, transpose_b=True),
+    )
+    scores = tf.cast(scores, tf.float32)
+    if mask is not None:
+        scores = tf.where(mask, scores, -1e9)
+    weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
+    weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
+    if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
+        weights = tf.where(mask, weights, 0.0)
+    weights = tf.cast(weights, value.dtype)
+    output = tf.cond(
+        small,
+        lambda: tf.reduce_sum(tf.linalg.matrix_transpose(weights) * value, axis=-2, keepdims=True),
+        lambda: tf.matmul(weights, value),
+    )
+    return output, weights
 
 
 def _project(x, dense):
@@ -206,44 +281,59 @@ def _project_fused(x, denses):
     dtype = denses[0].compute_dtype
     x = tf.cast(x, dtype)
     dim = x.shape[-1]
-    kernels = [tf.reshape(_weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
+    kernels = [tf.reshape(weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
     y = tf.matmul(tf.reshape(x, [-1, dim]), kernels[0] if len(kernels) == 1 else tf.concat(kernels, axis=1))
     if denses[0].bias is not None:
-        biases = [tf.reshape(_weight(dense.bias, dtype), [-1]) for dense in denses]
+        biases = [tf.reshape(weight(dense.bias, dtype), [-1]) for dense in denses]
         y = tf.nn.bias_add(y, biases[0] if len(biases) == 1 else tf.concat(biases, axis=0))
     outputs = tf.split(y, [kernel.shape[1] for kernel in kernels], axis=1) if len(kernels) > 1 else [y]
-    batch_and_length = tf.shape(x)[:2]
-    return [
-        tf.reshape(out, tf.concat([batch_and_length, dense.kernel.shape[1:]], axis=0))
-        for out, dense in zip(outputs, denses)
-    ]
+    return [tf.reshape(out, _batch_and_length(x) + list(dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
 
 
 def _project_output(heads, dense):
     """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
     num_heads, head_dim, dim = dense.kernel.shape
-    y = tf.matmul(
-        tf.reshape(tf.cast(heads, dense.compute_dtype), [-1, num_heads * head_dim]),
-        tf.reshape(_weight(dense.kernel, dense.compute_dtype), [num_heads * head_dim, dim]),
-    )
-    if dense.bias is not None:
-        y = tf.nn.bias_add(y, _weight(dense.bias, dense.compute_dtype))
-    return tf.reshape(y, tf.concat([tf.shape(heads)[:2], [dim]], axis=0))
+    y = matmul_2d(tf.reshape(heads, [-1, num_heads * head_dim]), dense, num_heads * head_dim)
+    return tf.reshape(y, _batch_and_length(heads) + [dim])
 
 
-def _weight(variable, dtype):
-    """A Keras variable's value in the compute dtype (bfloat16 under mixed precision)."""
-    return tf.cast(keras.ops.convert_to_tensor(variable), dtype)
+def _batch_and_length(x):
+    """The first two axes of `x` as a shape prefix: `[-1, length]` when the length is static (a decoding
+    step: a constant shape, so no shape ops at every step), else both read from `tf.shape(x)`."""
+    if x.shape[1] is not None:
+        return [-1, x.shape[1]]
+    shape = tf.shape(x)
+    return [shape[0], shape[1]]
 
 
 def _heads_first(x):
-    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse)."""
+    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse).
+
+    With a length of 1 (a decoding step) the swap moves no data: a reshape to a
+    constant shape, not a Transpose op.
+    """
+    _, a, b, dim = x.shape
+    if 1 in (a, b) and None not in (a, b, dim):
+        return tf.reshape(x, [-1, b, a, dim])
     return tf.transpose(x, [0, 2, 1, 3])
 
 
-def _write_at(heads, index, update):
+def _grows(heads):
+    """Whether a self-attention cache grows by each write, decided when the call is traced.
+
+    Yes when its length is unknown outside XLA: the decoding loops'
+    `tf.while_loop` leaves the length of their growing caches free. A cache of
+    known length may be a fixed buffer (`empty_cache(batch, n)`), and under
+    XLA every cache is one: those are written in place.
+    """
+    return heads.shape[2] is None and not in_xla_context()
+
+
+def _write_at(heads, index, update, grows):
     """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, n, key_dim]`
     written at positions `index ... index + n - 1`; a cache of length `index` grows by n.
+
+    A cache that `grows` (see `_grows`) has length `index`: the write is an append.
 
     Inside `tf.function(jit_compile=True)` the cache is a fixed buffer and this
     is XLA's in-place `dynamic_update_slice`. Outside XLA it is a concat of
@@ -254,6 +344,8 @@ def _write_at(heads, index, update):
     """
     update = tf.cast(update, heads.dtype)
     index = tf.cast(index, tf.int32)
+    if grows:
+        return tf.concat([heads, update], axis=2)
     if in_xla_context():
         return keras.ops.slice_update(heads, tf.stack([0, 0, index, 0]), update)
     return tf.concat([heads[:, :, :index], update, heads[:, :, index + tf.shape(update)[2]:]], axis=2)

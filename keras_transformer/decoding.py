@@ -64,8 +64,8 @@ class _BeamState(NamedTuple):
     greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
     sentences: tf.Tensor  # [batch] each sentence's row in the input batch
     limits: tf.Tensor  # [batch] each sentence's most output tokens
-    memory: Any  # (encoder output, source mask), per row `[batch * (k + 1), ...]`
-    cache: Any  # Transformer.init_decoding_cache for [batch * (k + 1)] rows, or {}
+    memory: Any  # (encoder output, source mask), one per sentence
+    cache: Any  # init_decoding_cache: self-attention per row [batch * (k + 1)], cross-attention per sentence; or {}
     best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
     best_scores: tf.Tensor  # [input batch] its score
 
@@ -142,6 +142,9 @@ def _next_logits_fn(model, start_id, use_cache):
         def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
             start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
             prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
+            # The sentence's memory once per row (beam search keeps one per sentence).
+            rows = tf.shape(outputs)[0] // tf.shape(encoder_output)[0]
+            encoder_output, source_mask = (tf.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
             return model.decode(prefix, encoder_output, source_mask)[:, cache_index], cache
     return next_logits
 
@@ -399,9 +402,11 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
     cache = model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {}
-    # Every hypothesis gets a row: [batch * rows, ...], sentence-major.
-    cache = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache)
-    memory = (tf.repeat(encoder_output, rows, axis=0), tf.repeat(source_mask, rows, axis=0))
+    if use_cache:
+        # Every hypothesis gets a row of the self-attention cache: [batch * rows, ...], sentence-major.
+        # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
+        cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache["self_attention"])
+    memory = (encoder_output, source_mask)
     next_logits = _next_logits_fn(model, start_id, use_cache)
     # Done sentences leave the batch (XLA needs fixed shapes, so there every sentence stays).
     compact = not in_xla_context()
@@ -485,8 +490,14 @@ def _drop_done(state, rows):
     keep_rows = tf.reshape(keep[:, None] * rows + tf.range(rows, dtype=keep.dtype)[None], [-1])
     state = _gather_fields(state, keep, (
         "last", "alive_tokens", "alive_log_prob", "finished_tokens", "finished_scores", "num_finished",
-        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits"))
-    return _gather_fields(state, keep_rows, ("memory", "cache"))
+        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits", "memory"))
+    cache = state.cache
+    if cache:  # the hypotheses' rows of the self-attention cache, the sentences' of the cross-attention one
+        cache = {
+            "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep_rows), cache["self_attention"]),
+            "cross_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep), cache["cross_attention"]),
+        }
+    return state._replace(cache=cache)
 
 
 def _gather_fields(state, index, names):

@@ -1,9 +1,11 @@
 """Incremental decoding with the key/value cache equals the full forward pass."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
+from keras_transformer import attention
 from conftest import random_ids
 
 
@@ -66,3 +68,69 @@ def test_decoding_works_on_a_model_never_called():
     model = kt.Transformer.from_preset("tiny", vocab_size=20)
     tokens, scores = kt.greedy_decode(model, np.array([[5, 6, 3]], "int32"), start_id=2, end_id=3, max_length=4)
     assert tokens.shape[0] == 1 and scores.shape == (1,)
+
+
+@pytest.fixture(params=["elementwise", "matmul"])
+def one_position_path(request, monkeypatch):
+    """Force the one-position attention of a decoding step down either of its two ways."""
+    monkeypatch.setattr(attention, "_ELEMENTWISE_ATTENTION_MAX", 2**62 if request.param == "elementwise" else -1)
+    return request.param
+
+
+def test_both_one_position_paths_equal_the_full_pass(one_position_path):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 6, 16)).astype("float32")
+    memory = rng.normal(size=(2, 5, 16)).astype("float32")
+    memory_mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    self_attention = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    cross_attention = kt.MultiHeadAttention(num_heads=2, key_dim=8)
+    full_self = self_attention(x, x, use_causal_mask=True).numpy()
+    full_cross = cross_attention(x, memory, attention_mask=memory_mask[:, None, :]).numpy()
+    cache, cross_cache = self_attention.empty_cache(2, max_length=6), cross_attention.compute_cache(memory)
+    for t in range(6):
+        step, cache = self_attention(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_index=t)
+        np.testing.assert_allclose(step.numpy()[:, 0], full_self[:, t], atol=1e-5)
+        step, _ = cross_attention(x[:, t : t + 1], memory, attention_mask=memory_mask[:, None, :], cache=cross_cache)
+        np.testing.assert_allclose(step.numpy()[:, 0], full_cross[:, t], atol=1e-5)
+
+
+def test_a_cache_of_free_length_grows_in_a_while_loop(one_position_path):
+    """Inside `tf.while_loop` with the cache length left free, each write appends (no mask needed)."""
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
+    mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    full = mha(x, x, use_causal_mask=True).numpy()
+
+    @tf.function
+    def step_by_step(x):
+        def body(t, cache, outputs):
+            y, cache = mha(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_index=t)
+            return t + 1, cache, outputs.write(t, y[:, 0])
+
+        free = tf.TensorShape([2, 4, None, 4])
+        _, cache, outputs = tf.while_loop(
+            lambda t, *_: t < 6, body, (0, mha.empty_cache(2), tf.TensorArray(tf.float32, 6)),
+            shape_invariants=(tf.TensorShape([]), (free, free), None),
+        )
+        return tf.transpose(outputs.stack(), [1, 0, 2]), cache
+
+    stepped, cache = step_by_step(x)
+    assert cache[0].shape == (2, 4, 6, 4)
+    np.testing.assert_allclose(stepped.numpy(), full, atol=1e-5)
+
+
+def test_hypotheses_read_their_sentence_cross_attention_cache(one_position_path):
+    """g rows per sentence over a cache of one entry per sentence (beam search) = each row over its own copy."""
+    rng = np.random.default_rng(6)
+    sentences, g = 2, 3
+    query = rng.normal(size=(sentences * g, 1, 16)).astype("float32")
+    memory = rng.normal(size=(sentences, 5, 16)).astype("float32")
+    memory_mask = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    mha = kt.MultiHeadAttention(num_heads=2, key_dim=8)
+    repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
+    full, full_scores = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :],
+                            return_attention_scores=True)
+    shared, scores, _ = mha(query, memory, attention_mask=memory_mask[:, None, :], cache=mha.compute_cache(memory),
+                            return_attention_scores=True)
+    np.testing.assert_allclose(shared.numpy(), full.numpy(), atol=1e-5)
+    np.testing.assert_allclose(scores.numpy(), full_scores.numpy(), atol=1e-6)
