@@ -42,13 +42,14 @@ plots: venv
 	$(PY) -m training.plots loss --model-dir $(RUN) --out docs/images/loss.png
 	$(PY) -m training.plots attention --model-dir $(RUN) --source "$(SOURCE)" --out docs/images/attention.png
 
-# Peers for bench/peers_throughput.py (torch, keras-hub), kept out of the project's own venv.
+# Peers for bench/peers_throughput.py (torch, keras-hub) and bench/ctranslate2_side_by_side.py (ctranslate2;
+# sacrebleu and sentencepiece come with -e .), kept out of the project's own venv.
 BENCH_VENV := .venv-bench
 
 $(BENCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e . keras-hub
+	$(BENCH_VENV)/bin/pip install --quiet -e . keras-hub ctranslate2==4.8.5
 	touch $@
 
 bench-venv: $(BENCH_VENV)/.installed

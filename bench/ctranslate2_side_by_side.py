@@ -1,0 +1,474 @@
+"""Our served translator side by side with CTranslate2, on the same trained weights (issue 12, item 5; not a test).
+
+Runs in the benchmark virtualenv, never the project's: ctranslate2 is no
+project dependency (`make bench-venv`, or
+`python3 -m venv .venv-bench && .venv-bench/bin/pip install -e . ctranslate2==4.8.5`).
+
+    # 1. Our SavedModel, decoding in float32 (project venv).
+    .venv/bin/python -m export.export_model --model-dir runs/en-de --model-file runs/en-de/averaged.keras \\
+        --export-dir /tmp/ct2/ours32 --beam-size 4 --alpha 1.0 --precision float32
+    # 2. The same weights as a float32 CTranslate2 model, then checked token by token against ours.
+    .venv-bench/bin/python bench/ctranslate2_side_by_side.py convert --model-dir runs/en-de \\
+        --model-file runs/en-de/averaged.keras --output-dir /tmp/ct2/ct2-en-de
+    # 3. Greedy identity, sacreBLEU and speed on the 1,000 sentences of test_2016_flickr.
+    .venv-bench/bin/python bench/ctranslate2_side_by_side.py compare --saved-model /tmp/ct2/ours32/translator/1 \\
+        --ct2-model /tmp/ct2/ct2-en-de --repeats 3 --json runs/bench/ctranslate2.json --outputs runs/bench/ct2-outputs
+
+convert: builds a `ctranslate2.specs.TransformerSpec` from the Keras model
+(post-norm or pre-norm as trained, ReLU, embeddings x sqrt(d_model), the
+shared embedding as the output projection when tied, LayerNorm epsilon 1e-6:
+CTranslate2's own default with a beta is 1e-5) and writes it in float32 with
+the sentencepiece model and `keras_transformer.json` (languages, source
+limit). The vocabulary is the sentencepiece pieces in id order, so
+CTranslate2's ids are ours: pad 0, unk 1, <s> 2 (the decoder's start), </s> 3,
+added after every source (`add_source_eos`), as our sources end. Position
+encodings are OUR table (the paper's interleaved sin/cos from position 0), not
+CTranslate2's built-in sinusoid (concatenated, from position 1, another
+frequency). Linear weights are transposed ([in, out] -> [out, in]);
+self-attention gets Q, K, V stacked, cross-attention Q, then K and V stacked.
+The conversion is then checked: CTranslate2's `score_batch` and our Keras
+model in float32 score the references of `--check-sentences` test sentences
+(teacher forcing); the per-token log-probabilities must agree to
+`--tolerance`, and the tokens must be ours (target pieces + </s>).
+
+compare: the source sentences are translated by batches of similar length
+(`export.translate.translate_lines`, as kt-translate and
+bench/served_speed.py batch them), text in, text out:
+  - ours: the SavedModel's text signatures `greedy` and `serving_default`
+    (beam search, with the beam size and alpha it was exported with),
+    tokenization and detokenization in the graph;
+  - CTranslate2: `Translator(device="cpu", compute_type="float32",
+    intra_threads=--threads, inter_threads=1).translate_batch` on sentencepiece
+    pieces, tokenization and detokenization (Python sentencepiece, same
+    model) inside the timed section.
+Same batches, beam sizes (1 and 4), source limit (`max_length` tokens, </s>
+included) and output limit: ours stops each sentence at its source length +
+50 tokens, the end token included; CTranslate2 takes one limit per batch,
+without the end token, so it gets (longest source in the batch + 50) - 1: a
+sentence that runs on to its limit can come out longer from CTranslate2.
+Pad is never output (ours bans it; CTranslate2: `suppress_sequences`), and
+the end token may come first (`min_decoding_length=0`). TensorFlow runs with
+`--threads` intra-op threads (inter-op: TensorFlow's default).
+
+Length penalty: ours is ((5 + |y|) / 6)^alpha with |y| counting the end
+token, CTranslate2's |y|^lp without it. No lp gives ours exactly; by default
+lp makes the two agree in slope on a log-log scale at the median reference
+length m (in pieces): lp = alpha * m / (m + 6). So beam outputs may differ a
+little; greedy ones must be identical (>= 95%). CTranslate2's greedy search
+computes no scores (`return_scores=False`; ours reports one).
+
+Batch 64 runs the first `--limit` sentences (all 1,000), batch 1 the first
+`--batch1-limit` (200). Every configuration is warmed up, then the repeats
+alternate ours / CTranslate2 and the median is reported, with the ratio of
+speeds ours / CTranslate2 (the goal: >= 0.5 at batch 64, greedy and beam 4).
+Identity and sacreBLEU are of the largest batch size (64: all sentences;
+`--outputs DIR` writes both systems' translations). Keep the CPU line (model
+and avx2/avx512*/amx flags) with the figures; CT2_VERBOSE=1 makes CTranslate2
+log the ISA and GEMM backend it picked (oneDNN unless the CPU is a
+GenuineIntel one, where it takes MKL).
+
+Time on an otherwise idle machine, not under `nice` (the load average at start
+and end is printed and saved): CTranslate2's OpenMP threads meet at a barrier
+in every op, so when one of them shares a core with another busy process (and
+more so at a lower priority) all wait for it; its times then grow 10-60x,
+TensorFlow's work-stealing threads' far less, which flatters the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from export.native_logs import import_tensorflow_quietly  # noqa: E402
+
+tf = import_tensorflow_quietly()
+
+import ctranslate2  # noqa: E402
+import numpy as np  # noqa: E402
+import sentencepiece as spm  # noqa: E402
+from ctranslate2.converters import Converter  # noqa: E402
+from ctranslate2.converters.utils import fuse_linear  # noqa: E402
+from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
+
+from bench.served_speed import cpu_line  # noqa: E402
+from export.translate import SavedModelTranslator, resolve_saved_model, translate_lines  # noqa: E402
+from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path, with_dtype_policy  # noqa: E402
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from keras_transformer.embedding import positional_encoding  # noqa: E402
+from keras_transformer.residual import LAYER_NORM_EPSILON  # noqa: E402
+from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, encode_source, read_lines  # noqa: E402
+
+# Written next to the CTranslate2 model: what `compare` needs to know of the model it came from.
+SIDECAR_FILENAME = "keras_transformer.json"
+# (beam size, our signature): the SavedModel's serving_default must be exported with --beam-size 4.
+DECODINGS = ((1, "greedy"), (4, "serving_default"))
+GREEDY_IDENTITY_GOAL = 0.95
+
+
+# ------------------------------------------------------------------ convert
+
+
+def numpy32(variable):
+    """A Keras variable as a float32 numpy array (bfloat16-stored weights included)."""
+    return np.asarray(variable.numpy(), dtype=np.float32)
+
+
+def linear(kernel, bias, input_axes=1):
+    """A CTranslate2 linear layer from a Keras kernel whose first `input_axes` axes are the input.
+
+    CTranslate2 weights are [out, in]; Dense kernels are [in, out], an attention's Q/K/V kernels
+    [in, heads, head_dim] and its output kernel [heads, head_dim, out] (heads-major on both sides).
+    """
+    kernel = numpy32(kernel)
+    spec = common_spec.LinearSpec()
+    spec.weight = np.ascontiguousarray(kernel.reshape(int(np.prod(kernel.shape[:input_axes])), -1).T)
+    spec.bias = numpy32(bias).reshape(-1)
+    return spec
+
+
+def set_layer_norm(spec, norm):
+    spec.gamma, spec.beta = numpy32(norm.gamma), numpy32(norm.beta)
+
+
+def set_attention(spec, attention, norm, self_attention):
+    """Our MultiHeadAttention + the LayerNorm of its residual block -> a CTranslate2 attention spec."""
+    q, k, v = (linear(dense.kernel, dense.bias) for dense in
+               (attention._query_dense, attention._key_dense, attention._value_dense))
+    if self_attention:
+        fuse_linear(spec.linear[0], [q, k, v])
+    else:  # cross-attention: queries from the decoder, keys and values (stacked) from the encoder output
+        fuse_linear(spec.linear[0], [q])
+        fuse_linear(spec.linear[1], [k, v])
+    spec.linear[-1] = linear(attention._output_dense.kernel, attention._output_dense.bias, input_axes=2)
+    set_layer_norm(spec.layer_norm, norm)
+
+
+def set_feed_forward(spec, layer):
+    spec.linear_0 = linear(layer.feed_forward.inner.kernel, layer.feed_forward.inner.bias)
+    spec.linear_1 = linear(layer.feed_forward.outer.kernel, layer.feed_forward.outer.bias)
+    set_layer_norm(spec.layer_norm, layer.feed_forward_norm)
+
+
+def set_embeddings(embeddings_spec, positions_spec, embedding, num_positions):
+    """Token embedding (CTranslate2 scales it by sqrt(d_model) itself, as we do) and our sinusoid table,
+    [num_positions, d_model], position 0 first (CTranslate2 adds row i at position i)."""
+    embeddings_spec.weight = numpy32(embedding.token_embedding.embeddings)
+    positions_spec.encodings = positional_encoding(tf.range(num_positions), embedding.d_model, "float32").numpy()
+
+
+def transformer_spec_of(model, pieces, num_positions):
+    """A float32-ready `TransformerSpec` holding the Keras Transformer's weights."""
+    if model.learned_positions:
+        # Our decoding stops outputs at the table's end; CTranslate2 would fail there instead.
+        raise ValueError("A model with learned positions is not converted (sinusoids only).")
+    encoder_layers, decoder_layers = model.encoder.encoder_layers, model.decoder.decoder_layers
+    spec = transformer_spec.TransformerSpec(
+        transformer_spec.TransformerEncoderSpec(len(encoder_layers), model.num_heads, pre_norm=model.norm_first),
+        transformer_spec.TransformerDecoderSpec(len(decoder_layers), model.num_heads, pre_norm=model.norm_first),
+    )
+    config = spec.config
+    config.layer_norm_epsilon = LAYER_NORM_EPSILON
+    config.unk_token, config.bos_token, config.eos_token = pieces[UNK_ID], pieces[START_ID], pieces[END_ID]
+    config.decoder_start_token = pieces[START_ID]
+    config.add_source_bos, config.add_source_eos = False, True  # source = pieces + [END_ID]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+
+    # The encoder has a list of embeddings (one per source factor); one here.
+    set_embeddings(spec.encoder.embeddings[0], spec.encoder.position_encodings,
+                   model.source_embedding or model.target_embedding, num_positions)
+    for layer_spec, layer in zip(spec.encoder.layer, encoder_layers):
+        set_attention(layer_spec.self_attention, layer.self_attention, layer.self_attention_norm, True)
+        set_feed_forward(layer_spec.ffn, layer)
+
+    set_embeddings(spec.decoder.embeddings, spec.decoder.position_encodings, model.target_embedding, num_positions)
+    for layer_spec, layer in zip(spec.decoder.layer, decoder_layers):
+        set_attention(layer_spec.self_attention, layer.self_attention, layer.self_attention_norm, True)
+        set_attention(layer_spec.attention, layer.cross_attention, layer.cross_attention_norm, False)
+        set_feed_forward(layer_spec.ffn, layer)
+
+    if model.norm_first:  # a pre-norm stack ends with a LayerNorm
+        set_layer_norm(spec.encoder.layer_norm, model.encoder.final_norm)
+        set_layer_norm(spec.decoder.layer_norm, model.decoder.final_norm)
+    if model.output_projection is None:  # tied: logits = h E^T, and E is already [out, in]
+        spec.decoder.projection.weight = spec.decoder.embeddings.weight
+    else:
+        spec.decoder.projection = linear(model.output_projection.kernel, model.output_projection.bias)
+    return spec
+
+
+class SpecConverter(Converter):
+    """CTranslate2's own conversion steps (validate, alias shared weights, quantize, save) for a built spec."""
+
+    def __init__(self, spec):
+        self._spec = spec
+
+    def _load(self):
+        return self._spec
+
+
+def convert(model, tokenizer_file, config, output_dir, force=False) -> Path:
+    """Writes the float32 CTranslate2 model of `model` to `output_dir`, with the tokenizer and the sidecar."""
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
+    pieces = sp.id_to_piece(list(range(sp.get_piece_size())))  # in id order: CTranslate2's ids are ours
+    # Positions read: a source of max_length tokens; outputs of up to max_length + 50 tokens.
+    num_positions = config["max_length"] + EXTRA_OUTPUT_LENGTH
+    spec = transformer_spec_of(model, pieces, num_positions)
+    spec.register_file(str(tokenizer_file), TOKENIZER_FILENAME)
+    SpecConverter(spec).convert(str(output_dir), quantization="float32", force=force)
+    sidecar = {"source_lang": config["source_lang"], "target_lang": config["target_lang"],
+               "max_source_length": config["max_length"], "positions": num_positions}
+    (Path(output_dir) / SIDECAR_FILENAME).write_text(json.dumps(sidecar, indent=2) + "\n")
+    return Path(output_dir)
+
+
+def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length, threads):
+    """Teacher-forced log-probabilities of `targets`, ours (float32) and CTranslate2's, token by token.
+
+    Returns (max |difference|, mean |difference|, number of tokens, sentences whose tokens differ).
+    """
+    sp = spm.SentencePieceProcessor(model_file=str(Path(ct2_dir) / TOKENIZER_FILENAME))
+    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32",
+                                        intra_threads=threads, inter_threads=1)
+    ct2 = translator.score_batch(sp.encode(sources, out_type=str), sp.encode(targets, out_type=str),
+                                 max_input_length=max_source_length)
+
+    source_ids = encode_source(tokenizer, tf.constant(sources), max_source_length).to_tensor(PAD_ID)
+    pieces = tf.cast(tokenizer.tokenize(tf.constant(targets)), tf.int32)
+    start = tf.fill([pieces.nrows(), 1], START_ID)
+    end = tf.fill([pieces.nrows(), 1], END_ID)
+    target_in = tf.concat([start, pieces], axis=1).to_tensor(PAD_ID)
+    target_out = tf.concat([pieces, end], axis=1)
+    log_probs = tf.nn.log_softmax(with_dtype_policy(model, "float32")((source_ids, target_in), training=False))
+    ours = tf.gather(log_probs, target_out.to_tensor(PAD_ID), batch_dims=2).numpy()
+
+    differences, token_mismatches = [], 0
+    for i, (result, out_ids) in enumerate(zip(ct2, target_out.to_list())):
+        token_mismatches += result.tokens != [sp.id_to_piece(t) for t in out_ids]
+        differences.extend(np.abs(np.asarray(result.log_probs) - ours[i, :len(out_ids)]))
+    return float(np.max(differences)), float(np.mean(differences)), len(differences), token_mismatches
+
+
+def run_convert(args) -> int:
+    model, tokenizer, config = load_model_dir(args.model_dir, args.model_file)
+    output = convert(model, tokenizer_path(args.model_dir, config), config, args.output_dir, force=args.force)
+    print(f"Wrote {output} (float32, {config['max_length'] + EXTRA_OUTPUT_LENGTH} positions)", flush=True)
+
+    data = Path(args.data_dir)
+    sources = read_lines(data / f"{args.split}.{config['source_lang']}")[:args.check_sentences]
+    targets = read_lines(data / f"{args.split}.{config['target_lang']}")[:args.check_sentences]
+    max_diff, mean_diff, tokens, mismatches = check_scores(
+        model, tokenizer, output, sources, targets, config["max_length"], args.threads)
+    ok = max_diff <= args.tolerance and mismatches == 0
+    print(f"Check on {len(sources)} reference translations ({tokens} tokens), teacher forcing: token log-probs "
+          f"differ by at most {max_diff:.2e} (mean {mean_diff:.2e}); sentences whose tokens differ: {mismatches}. "
+          f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g}).")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------ compare
+
+
+class CTranslate2Texts:
+    """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
+    -> (translations, scores); scores are None (not computed)."""
+
+    def __init__(self, model_dir, max_source_length, length_penalty, threads):
+        self.sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / TOKENIZER_FILENAME))
+        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="float32",
+                                                 intra_threads=threads, inter_threads=1)
+        self.max_source_length = max_source_length
+        self.length_penalty = length_penalty
+        self.pad = self.sp.id_to_piece(PAD_ID)
+
+    def output_limit(self, pieces) -> int:
+        """CTranslate2's max_decoding_length for a batch: our limit for its longest source, minus the end token.
+
+        Ours: source tokens (pieces, truncated, + </s>) + 50, the end token counted; CTranslate2 does not
+        count it (its last step takes any token).
+        """
+        longest = max(min(len(p), self.max_source_length - 1) + 1 for p in pieces)
+        return longest + EXTRA_OUTPUT_LENGTH - 1
+
+    def translate(self, texts, beam_size):
+        pieces = self.sp.encode(list(texts), out_type=str)
+        results = self.translator.translate_batch(
+            pieces, beam_size=beam_size, length_penalty=self.length_penalty,
+            max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
+            min_decoding_length=0, suppress_sequences=[[self.pad]])
+        return self.sp.decode([r.hypotheses[0] for r in results]), [None] * len(texts)
+
+
+def matched_length_penalty(alpha, references, sp) -> tuple[float, float]:
+    """(CTranslate2 lp, m): lp with |y|^lp as steep as ((|y| + 6) / 6)^alpha in log-log at |y| = m,
+    the median reference length in pieces (|y| without the end token)."""
+    m = float(statistics.median(len(p) for p in sp.encode(references)))
+    return alpha * m / (m + 6.0), m
+
+
+def source_ids_identical(saved_model, sources, sp, max_source_length) -> int:
+    """How many sources our SavedModel's `tokenize` frames exactly as CTranslate2 is given them
+    (pieces, truncated to max_source_length - 1, then </s>)."""
+    tokenize = tf.saved_model.load(str(resolve_saved_model(saved_model))).signatures["tokenize"]
+    ours = tokenize(text=tf.constant(sources))["source_ids"].numpy()
+    theirs = [ids[:max_source_length - 1] + [END_ID] for ids in sp.encode(sources)]
+    return sum(list(row[row != PAD_ID]) == ids for row, ids in zip(ours, theirs))
+
+
+def time_configuration(fns, texts, batch_size, repeats):
+    """Warm-up, then `repeats` rounds alternating the translators; returns ({name: seconds list}, {name: outputs})."""
+    for fn in fns.values():  # tracing, first allocations
+        translate_lines(fn, texts[:batch_size * 2], batch_size)
+    seconds, outputs = {name: [] for name in fns}, {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            outputs[name] = translate_lines(fn, texts, batch_size)[0]
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds, outputs
+
+
+def decoding_name(beam) -> str:
+    return "greedy" if beam == 1 else f"beam{beam}"
+
+
+def write_outputs(directory, outputs):
+    """OUTPUTS/{ours,ctranslate2}.{greedy,beam4}.txt, one translation per line, in input order."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for beam, hyps in outputs.items():
+        for name, lines in hyps.items():
+            (directory / f"{name}.{decoding_name(beam)}.txt").write_text(
+                "".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def run_compare(args) -> int:
+    import sacrebleu
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    load_at_start = os.getloadavg()
+    sidecar = json.loads((Path(args.ct2_model) / SIDECAR_FILENAME).read_text())
+    data = Path(args.data_dir)
+    sources = read_lines(data / f"{args.split}.{sidecar['source_lang']}")[:args.limit]
+    references = read_lines(data / f"{args.split}.{sidecar['target_lang']}")[:args.limit]
+    max_source_length = sidecar["max_source_length"]
+
+    sp = spm.SentencePieceProcessor(model_file=str(Path(args.ct2_model) / TOKENIZER_FILENAME))
+    length_penalty, median_length = matched_length_penalty(args.alpha, references, sp)
+    if args.ct2_length_penalty is not None:
+        length_penalty = args.ct2_length_penalty
+    ct2 = CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, args.threads)
+    ours = {beam: SavedModelTranslator(args.saved_model, signature) for beam, signature in DECODINGS}
+    same_sources = source_ids_identical(args.saved_model, sources, sp, max_source_length)
+    print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}, CTranslate2 {ctranslate2.__version__}; "
+          f"{len(sources)} sentences of {args.split}; {args.threads} threads; CTranslate2 length penalty "
+          f"{length_penalty:.3f} (ours: alpha {args.alpha}; median reference length {median_length:g} pieces); "
+          f"source ids identical: {same_sources} of {len(sources)}; load average {load_at_start[0]:.2f}", flush=True)
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results, outputs = [], {}
+    for beam in ours:
+        for batch_size in batch_sizes:
+            texts = sources[:args.batch1_limit] if batch_size == 1 else sources
+            fns = {"ours": ours[beam], "ctranslate2": functools.partial(ct2.translate, beam_size=beam)}
+            seconds, outputs[(beam, batch_size)] = time_configuration(fns, texts, batch_size, args.repeats)
+            medians = {name: statistics.median(s) for name, s in seconds.items()}
+            row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
+                   **{f"{name}_seconds": [round(s, 2) for s in seconds[name]] for name in fns},
+                   **{f"{name}_sentences_per_s": round(len(texts) / medians[name], 1) for name in fns},
+                   "ratio_ours_over_ctranslate2": round(medians["ctranslate2"] / medians["ours"], 2)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+    quality = {}
+    for beam in ours:
+        hyps = outputs[(beam, max(batch_sizes))]
+        same = sum(a == b for a, b in zip(hyps["ours"], hyps["ctranslate2"]))
+        quality[decoding_name(beam)] = {
+            "identical": same, "sentences": len(hyps["ours"]),
+            **{f"{name}_bleu": round(sacrebleu.corpus_bleu(h, [references[:len(h)]]).score, 2)
+               for name, h in hyps.items()}}
+    greedy_ok = quality["greedy"]["identical"] >= GREEDY_IDENTITY_GOAL * quality["greedy"]["sentences"]
+    if args.outputs:
+        write_outputs(Path(args.outputs), {beam: outputs[(beam, max(batch_sizes))] for beam in ours})
+
+    print("\n| decoding | batch | sentences | ours sent/s | CTranslate2 sent/s | ours / CTranslate2 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {decoding_name(r['beam'])} | {r['batch_size']} | "
+              f"{r['sentences']} | {r['ours_sentences_per_s']} | {r['ctranslate2_sentences_per_s']} | "
+              f"{r['ratio_ours_over_ctranslate2']}x |")
+    for name, q in quality.items():
+        print(f"{name}: identical {q['identical']} of {q['sentences']}; sacreBLEU ours {q['ours_bleu']}, "
+              f"CTranslate2 {q['ctranslate2_bleu']}")
+    print(f"Greedy identity goal (>= {GREEDY_IDENTITY_GOAL:.0%}): {'met' if greedy_ok else 'NOT met'}")
+
+    if args.json:
+        summary = {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_line(),
+            "tensorflow": tf.__version__,
+            "ctranslate2": ctranslate2.__version__,
+            "command": " ".join([sys.executable, *sys.argv]),
+            "threads": args.threads,
+            "saved_model": str(args.saved_model),
+            "ct2_model": str(args.ct2_model),
+            "alpha": args.alpha,
+            "ct2_length_penalty": round(length_penalty, 4),
+            "source_ids_identical": same_sources,
+            "quality": quality,
+            "results": results,
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if greedy_ok else 1
+
+
+# ------------------------------------------------------------------ command line
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--data-dir", default="../shared/data/multi30k")
+    common.add_argument("--split", default="test_2016_flickr")
+    common.add_argument("--threads", type=int, default=2, help="CTranslate2 intra_threads and TF intra-op threads")
+
+    c = commands.add_parser("convert", parents=[common], help="write the CTranslate2 model and check it")
+    c.add_argument("--model-dir", required=True, help="directory written by kt-train")
+    c.add_argument("--model-file", help="a .keras file in place of MODEL_DIR/model.keras (e.g. averaged.keras)")
+    c.add_argument("--output-dir", required=True, help="the CTranslate2 model directory to write")
+    c.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
+    c.add_argument("--check-sentences", type=int, default=100, help="references scored by both (default 100)")
+    c.add_argument("--tolerance", type=float, default=1e-4, help="largest token log-prob difference allowed")
+
+    m = commands.add_parser("compare", parents=[common], help="identity, BLEU and speed, ours vs CTranslate2")
+    m.add_argument("--saved-model", required=True, help="our float32 export: EXPORT_DIR/NAME[/VERSION]")
+    m.add_argument("--ct2-model", required=True, help="the directory `convert` wrote")
+    m.add_argument("--alpha", type=float, default=1.0, help="the length-penalty alpha the SavedModel was exported with")
+    m.add_argument("--ct2-length-penalty", type=float, help="CTranslate2's length_penalty "
+                   "(default: alpha * m / (m + 6), m = median reference length in pieces)")
+    m.add_argument("--limit", type=int, default=1000, help="sentences at batch 64 (default 1000: all)")
+    m.add_argument("--batch1-limit", type=int, default=200, help="sentences at batch 1 (default 200)")
+    m.add_argument("--batch-sizes", default="64,1")
+    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--json", help="also write the results here")
+    m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
+    args = p.parse_args(argv)
+    return run_convert(args) if args.command == "convert" else run_compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
