@@ -229,27 +229,18 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         )
 
 
-# Below this many products (rows x heads x key_len x d_k), one query position's attention is
-# cheaper as elementwise products and sums than as oneDNN's batched matmul and softmax, whose fixed
-# cost per call (~40 us each on a 2-core EPYC) was most of a batch-1 decoding step's attention.
-# Measured crossover: batch 1 elementwise 12 us against 40-60 us; 64 rows 200 us against 140 us.
-_ELEMENTWISE_ATTENTION_MAX = 64 * 1024
-
-
 def _attend_one_position(query, key, value, mask):
     """Equation 1 for one query position (a decoding step), outside XLA.
 
     query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
     leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
-    The softmax is written out in float32: the numbers of `tf.nn.softmax` without its per-call cost.
+    The softmax is written out in float32: oneDNN's softmax kernel costs ~40 us a call on a
+    2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
+    The matmuls stay: elementwise products and sums were 3-5x cheaper at batch 1, but a
+    sentence's result then depended on its batch (the cheaper form pays only below a size)
+    and the cached step no longer equalled the full pass token for token.
     """
-    small = tf.size(query) * tf.shape(key)[-2] <= _ELEMENTWISE_ATTENTION_MAX
-    scores = tf.cond(
-        small,
-        lambda: tf.reduce_sum(query * key, axis=-1)[..., None, :],
-        lambda: tf.matmul(query, key, transpose_b=True),
-    )
-    scores = tf.cast(scores, tf.float32)
+    scores = tf.cast(tf.matmul(query, key, transpose_b=True), tf.float32)
     if mask is not None:
         scores = tf.where(mask, scores, -1e9)
     weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
@@ -257,12 +248,7 @@ def _attend_one_position(query, key, value, mask):
     if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
         weights = tf.where(mask, weights, 0.0)
     weights = tf.cast(weights, value.dtype)
-    output = tf.cond(
-        small,
-        lambda: tf.reduce_sum(tf.linalg.matrix_transpose(weights) * value, axis=-2, keepdims=True),
-        lambda: tf.matmul(weights, value),
-    )
-    return output, weights
+    return tf.matmul(weights, value), weights
 
 
 def _project(x, dense):

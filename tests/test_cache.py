@@ -1,11 +1,9 @@
 """Incremental decoding with the key/value cache equals the full forward pass."""
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from keras_transformer import attention
 from conftest import random_ids
 
 
@@ -70,14 +68,7 @@ def test_decoding_works_on_a_model_never_called():
     assert tokens.shape[0] == 1 and scores.shape == (1,)
 
 
-@pytest.fixture(params=["elementwise", "matmul"])
-def one_position_path(request, monkeypatch):
-    """Force the one-position attention of a decoding step down either of its two ways."""
-    monkeypatch.setattr(attention, "_ELEMENTWISE_ATTENTION_MAX", 2**62 if request.param == "elementwise" else -1)
-    return request.param
-
-
-def test_both_one_position_paths_equal_the_full_pass(one_position_path):
+def test_one_position_attention_equals_the_full_pass():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(2, 6, 16)).astype("float32")
     memory = rng.normal(size=(2, 5, 16)).astype("float32")
@@ -94,7 +85,7 @@ def test_both_one_position_paths_equal_the_full_pass(one_position_path):
         np.testing.assert_allclose(step.numpy()[:, 0], full_cross[:, t], atol=1e-5)
 
 
-def test_a_cache_of_free_length_grows_in_a_while_loop(one_position_path):
+def test_a_cache_of_free_length_grows_in_a_while_loop():
     """Inside `tf.while_loop` with the cache length left free, each write appends (no mask needed)."""
     rng = np.random.default_rng(5)
     x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
@@ -119,7 +110,7 @@ def test_a_cache_of_free_length_grows_in_a_while_loop(one_position_path):
     np.testing.assert_allclose(stepped.numpy(), full, atol=1e-5)
 
 
-def test_hypotheses_read_their_sentence_cross_attention_cache(one_position_path):
+def test_hypotheses_read_their_sentence_cross_attention_cache():
     """g rows per sentence over a cache of one entry per sentence (beam search) = each row over its own copy."""
     rng = np.random.default_rng(6)
     sentences, g = 2, 3
