@@ -83,7 +83,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -100,8 +99,8 @@ from ctranslate2.converters import Converter  # noqa: E402
 from ctranslate2.converters.utils import fuse_linear  # noqa: E402
 from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
 
-from bench.served_speed import cpu_line  # noqa: E402
-from export.translate import SavedModelTranslator, resolve_saved_model, translate_lines  # noqa: E402
+from bench.served_speed import cpu_line, time_alternating  # noqa: E402
+from export.translate import SavedModelTranslator, resolve_saved_model  # noqa: E402
 from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path, with_dtype_policy  # noqa: E402
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
 from keras_transformer.embedding import positional_encoding  # noqa: E402
@@ -325,19 +324,6 @@ def source_ids_identical(saved_model, sources, sp, max_source_length) -> int:
     return sum(list(row[row != PAD_ID]) == ids for row, ids in zip(ours, theirs))
 
 
-def time_configuration(fns, texts, batch_size, repeats):
-    """Warm-up, then `repeats` rounds alternating the translators; returns ({name: seconds list}, {name: outputs})."""
-    for fn in fns.values():  # tracing, first allocations
-        translate_lines(fn, texts[:batch_size * 2], batch_size)
-    seconds, outputs = {name: [] for name in fns}, {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            outputs[name] = translate_lines(fn, texts, batch_size)[0]
-            seconds[name].append(time.perf_counter() - t0)
-    return seconds, outputs
-
-
 def decoding_name(beam) -> str:
     return "greedy" if beam == 1 else f"beam{beam}"
 
@@ -380,7 +366,7 @@ def run_compare(args) -> int:
         for batch_size in batch_sizes:
             texts = sources[:args.batch1_limit] if batch_size == 1 else sources
             fns = {"ours": ours[beam], "ctranslate2": functools.partial(ct2.translate, beam_size=beam)}
-            seconds, outputs[(beam, batch_size)] = time_configuration(fns, texts, batch_size, args.repeats)
+            seconds, outputs[(beam, batch_size)] = time_alternating(fns, texts, batch_size, args.repeats)
             medians = {name: statistics.median(s) for name, s in seconds.items()}
             row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
                    **{f"{name}_seconds": [round(s, 2) for s in seconds[name]] for name in fns},

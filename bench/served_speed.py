@@ -50,6 +50,22 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} logical CPUs; flags: {' '.join(wanted)}"
 
 
+def time_alternating(fns, texts, batch_size, repeats):
+    """Warm-up, then `repeats` rounds alternating the translators `fns` ({name: texts -> (translations, scores)})
+    over `texts` in length-sorted batches; returns ({name: seconds of each round}, {name: translations})."""
+    from export.translate import translate_lines
+
+    for fn in fns.values():  # tracing, compilation, first allocations
+        translate_lines(fn, texts[:batch_size * 2], batch_size)
+    seconds, outputs = {name: [] for name in fns}, {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            outputs[name] = translate_lines(fn, texts, batch_size)[0]
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds, outputs
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +87,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
     import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the graphs use)
 
-    from export.translate import SavedModelTranslator, translate_lines
+    from export.translate import SavedModelTranslator
     from keras_transformer.text import read_lines
 
     exports = dict(e.split("=", 1) for e in args.export)
@@ -85,14 +101,8 @@ def main(argv=None) -> int:
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             texts = sources[:args.batch1_limit] if batch_size == 1 else sources
             fns = {name: SavedModelTranslator(path, signature) for name, path in exports.items()}
-            for name, fn in fns.items():  # warm-up: tracing, compilation, first allocations
-                translate_lines(fn, texts[:batch_size * 2], batch_size)
-            seconds = {name: [] for name in fns}
-            for _ in range(args.repeats):
-                for name, fn in fns.items():
-                    t0 = time.perf_counter()
-                    outputs[(name, signature, batch_size)] = translate_lines(fn, texts, batch_size)[0]
-                    seconds[name].append(time.perf_counter() - t0)
+            seconds, last = time_alternating(fns, texts, batch_size, args.repeats)
+            outputs.update({(name, signature, batch_size): hyps for name, hyps in last.items()})
             base = statistics.median(seconds[next(iter(fns))])
             for name in fns:
                 median = statistics.median(seconds[name])
