@@ -114,32 +114,31 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             )
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
             output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
+        elif cache_index is None and query.shape[1] == 1:  # cross-attention, one position per row
+            output, scores = self._attend_source(query, cache, attention_mask, training)
         else:
-            if cache_index is None and query.shape[1] == 1:  # cross-attention, one position per row
-                output, scores = self._attend_source(query, cache, attention_mask, training)
-            else:
-                if cache_index is None:  # cross-attention: keys and values were projected once
-                    query_heads = _project(query, self._query_dense)
-                    key_heads, value_heads = cache
-                else:  # self-attention: write this step's keys and values into the cache
-                    query_heads, new_keys, new_values = self._project_heads(query, value, key)
-                    grows = _grows(cache[0])
-                    key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys), grows)
-                    value_heads = _write_at(cache[1], cache_index, _heads_first(new_values), grows)
-                    cache = (key_heads, value_heads)
-                    # One new query at the end of a growing cache may attend to all of it: no causal
-                    # mask to build (the ops of a mask cost more than its arithmetic at one position).
-                    if not (grows and query.shape[1] == 1):
-                        causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
-                        attention_mask = (
-                            causal
-                            if attention_mask is None
-                            else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
-                        )
-                output, scores = self._attend(
-                    _heads_first(query_heads), key_heads, value_heads, attention_mask, training
-                )
-                output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
+            if cache_index is None:  # cross-attention: keys and values were projected once
+                query_heads = _project(query, self._query_dense)
+                key_heads, value_heads = cache
+            else:  # self-attention: write this step's keys and values into the cache
+                query_heads, new_keys, new_values = self._project_heads(query, value, key)
+                grows = _grows(cache[0])
+                key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys), grows)
+                value_heads = _write_at(cache[1], cache_index, _heads_first(new_values), grows)
+                cache = (key_heads, value_heads)
+                # One new query at the end of a growing cache may attend to all of it: no causal
+                # mask to build (the ops of a mask cost more than its arithmetic at one position).
+                if not (grows and query.shape[1] == 1):
+                    causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
+                    attention_mask = (
+                        causal
+                        if attention_mask is None
+                        else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
+                    )
+            output, scores = self._attend(
+                _heads_first(query_heads), key_heads, value_heads, attention_mask, training
+            )
+            output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
         output = _project_output(output, self._output_dense)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
