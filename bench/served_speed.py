@@ -10,7 +10,9 @@ called through its text signatures, as TF Serving calls them: `greedy` and
 search and detokenization all in the graph). The source sentences of the
 split are sorted by length (as `kt-translate` batches them); batch 64 runs
 all of them (1,000 for test_2016_flickr), batch 1 the first `--batch1-limit`
-of the file (200). Every configuration is warmed up first; then the repeats
+of the file (200). Every configuration is warmed up first with one untimed
+pass over its sentences (its seconds are reported: they include an XLA
+decoder's compilations, once per input shape); then the repeats
 alternate between the exports (A B A B ...), so that a noisy neighbour slows
 them alike, and the median is reported. The first export is the baseline:
 every other row gives its speed-up over it.
@@ -50,13 +52,20 @@ def cpu_line() -> str:
     return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} logical CPUs; flags: {' '.join(wanted)}"
 
 
-def time_alternating(fns, texts, batch_size, repeats):
+def time_alternating(fns, texts, batch_size, repeats, warm_up=None):
     """Warm-up, then `repeats` rounds alternating the translators `fns` ({name: texts -> (translations, scores)})
-    over `texts` in length-sorted batches; returns ({name: seconds of each round}, {name: translations})."""
+    over `texts` in length-sorted batches; returns ({name: seconds of each round}, {name: translations}).
+
+    The warm-up (tracing, compilation, first allocations) translates the first two batches, or all of
+    `texts` once if `warm_up` is a dict, which then gets each translator's warm-up seconds: an XLA
+    decoder compiles once for each input shape, as a server's does before it is in steady state."""
     from export.translate import translate_lines
 
-    for fn in fns.values():  # tracing, compilation, first allocations
-        translate_lines(fn, texts[:batch_size * 2], batch_size)
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        translate_lines(fn, texts if warm_up is not None else texts[:batch_size * 2], batch_size)
+        if warm_up is not None:
+            warm_up[name] = time.perf_counter() - t0
     seconds, outputs = {name: [] for name in fns}, {}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -101,14 +110,16 @@ def main(argv=None) -> int:
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             texts = sources[:args.batch1_limit] if batch_size == 1 else sources
             fns = {name: SavedModelTranslator(path, signature) for name, path in exports.items()}
-            seconds, last = time_alternating(fns, texts, batch_size, args.repeats)
+            warm_up = {}
+            seconds, last = time_alternating(fns, texts, batch_size, args.repeats, warm_up)
             outputs.update({(name, signature, batch_size): hyps for name, hyps in last.items()})
             base = statistics.median(seconds[next(iter(fns))])
             for name in fns:
                 median = statistics.median(seconds[name])
                 row = {"export": name, "signature": signature, "batch_size": batch_size, "sentences": len(texts),
                        "seconds": [round(s, 2) for s in seconds[name]], "median_s": round(median, 2),
-                       "sentences_per_s": round(len(texts) / median, 1), "speedup": round(base / median, 2)}
+                       "sentences_per_s": round(len(texts) / median, 1), "speedup": round(base / median, 2),
+                       "warm_up_s": round(warm_up[name], 2)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
 

@@ -76,16 +76,20 @@ def registered_ops(python=sys.executable) -> dict:
     return json.loads(out.stdout)
 
 
-def unservable_ops(ops, registered) -> list[str]:
-    """Ops of `ops` that are neither core TensorFlow nor tensorflow-text, or that need Python or XLA."""
+def unservable_ops(ops, registered, allow_xla=False) -> list[str]:
+    """Ops of `ops` that are neither core TensorFlow nor tensorflow-text, or that need Python, or XLA
+    unless `allow_xla` (an export with an XLA decoder, served with `--xla_cpu_compilation_enabled`)."""
     allowed = set(registered["core"]) | set(registered["tensorflow_text"])
-    return sorted(op for op in ops if op not in allowed or op in PYTHON_OPS or needs_xla(op))
+    return sorted(op for op in ops
+                  if op not in allowed or op in PYTHON_OPS or (needs_xla(op) and not allow_xla))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m export.graph_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("saved_model", help="a SavedModel directory (EXPORT_DIR/NAME/VERSION)")
+    p.add_argument("--allow-xla", action="store_true", help="XLA ops are fine: the model server runs with "
+                   "--xla_cpu_compilation_enabled (an export made with kt-export --xla-max-batch)")
     args = p.parse_args(argv)
     ops = saved_model_ops(args.saved_model)
     registered = registered_ops()
@@ -95,11 +99,13 @@ def main(argv=None) -> int:
         if needs_xla(op) or op in PYTHON_OPS:
             origin += ", NOT SERVABLE (" + ("XLA" if needs_xla(op) else "Python") + ")"
         print(f"{op:40s} {ops[op]:6d}  {origin}")
-    bad = unservable_ops(ops, registered)
+    bad = unservable_ops(ops, registered, allow_xla=args.allow_xla)
     if bad:
         print(f"Not servable by tensorflow_model_server: {', '.join(bad)}", file=sys.stderr)
         return 1
-    print(f"{len(ops)} op types, all core TensorFlow or tensorflow-text (no Python, no XLA).")
+    xla = sorted(op for op in ops if needs_xla(op))
+    print(f"{len(ops)} op types, all core TensorFlow or tensorflow-text (no Python" +
+          (f"; XLA: {', '.join(xla)}, run with --xla_cpu_compilation_enabled)." if xla else ", no XLA)."))
     return 0
 
 

@@ -135,6 +135,22 @@ def test_cpp_loader_serves_what_the_python_session_serves(serving_check, exporte
     assert all(translations(cpp[0])) and len(set(translations(cpp[0]))) > 10  # real, varied translations
 
 
+def test_cpp_loader_runs_the_xla_decoder(serving_check, quick_model_dir, tmp_path):
+    """An export with an XLA decoder for batches of up to 8 (`kt-export --xla-max-batch 8`; TF Serving runs
+    it with --xla_cpu_compilation_enabled): the C++ loader compiles and runs it, and answers byte for
+    byte as the Python session does, hostile input included, at batches on both sides of the threshold."""
+    xla_export = export(quick_model_dir, tmp_path / "exports", xla_max_batch=8, check_ops=False)
+    sentences = multi30k_lines("test_2016_flickr.en", 12)
+    requests = [(sig, texts) for sig in TEXT_SIGNATURES
+                for texts in (sentences[:1], sentences[:5], HOSTILE, sentences, [])]
+    cpp, _ = run_serving_check(serving_check, xla_export, tmp_path, requests)
+    python = run_tf1(xla_export, requests, tmp_path)["runs"]
+    for (signature, texts), got, expected in zip(requests, cpp, python):
+        assert "error" not in got, got["error"]
+        assert outputs(got) == tf1_outputs(expected), (signature, len(texts))
+    assert all(translations(cpp[1])) and translations(cpp[2])[:3] == [b""] * 3
+
+
 def test_empty_and_whitespace_inputs_translate_to_empty(serving_check, exported, tmp_path):
     """Must-show 2: nothing to translate gives "" and score 0, in C++ and in Python, and the other rows
     of the batch translate as they do alone."""

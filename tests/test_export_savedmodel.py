@@ -158,6 +158,48 @@ def test_every_op_is_core_tensorflow_or_tensorflow_text(exported):
                                     registered) == ["EagerPyFunc", "NotAnOp", "XlaDynamicUpdateSlice"]
 
 
+def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, tmp_path):
+    """kt-export --xla-max-batch 4: through the TF1 session loader (TF Serving's), a batch of 1 to 4
+    sentences gets what the library's search compiled with XLA in float32 gives each sentence alone
+    (its source padded to 16 tokens: the batch padding changes nothing), a larger batch what the export
+    without XLA gives; the op check passes its XLA ops only when told the server runs XLA."""
+    import sentencepiece as spm
+
+    path = export(model_dir, tmp_path, xla_max_batch=4, check_ops=False)
+    texts = _lines("test_2016_flickr.en", 6)
+    requests = [(sig, batch) for sig in ("greedy", "serving_default") for batch in (texts[:1], texts[:3], texts)]
+    served = run_tf1(path, requests, tmp_path)["runs"]
+
+    model, tokenizer, cfg = load_model_dir(model_dir)
+    model = with_dtype_policy(model, "float32")
+    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
+    compiled = {"greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID), jit_compile=True),
+                "serving_default": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4),
+                                               jit_compile=True)}
+
+    def alone_under_xla(signature, text):
+        source = encode_source(tokenizer, tf.constant([text]), cfg["max_length"]).to_tensor(0)
+        source = tf.pad(source, [[0, 0], [0, -source.shape[1] % 16]])
+        tokens, score = compiled[signature](source)
+        row = tokens.numpy()[0].tolist()
+        return sp.decode([i for i in row[: row.index(END_ID)] if i != 0]).encode("utf-8"), float(score[0])
+
+    for signature in ("greedy", "serving_default"):
+        expected = [alone_under_xla(signature, t) for t in texts[:3]]
+        for run in served[:2] if signature == "greedy" else served[3:5]:
+            n = len(run["translation"])
+            assert _unb64(run["translation"]) == [t for t, _ in expected[:n]], (signature, n)
+            np.testing.assert_allclose(run["score"], [s for _, s in expected[:n]], rtol=1e-5, atol=1e-5)
+    without_xla = run_tf1(exported, [requests[2], requests[5]], tmp_path)["runs"]
+    assert [served[2], served[5]] == without_xla  # 6 sentences: the graph decoder, as without XLA
+
+    ops = graph_ops.saved_model_ops(path)
+    registered = graph_ops.registered_ops()
+    xla_ops = sorted(op for op in ops if graph_ops.needs_xla(op))
+    assert xla_ops and graph_ops.unservable_ops(ops, registered) == xla_ops
+    assert graph_ops.unservable_ops(ops, registered, allow_xla=True) == []
+
+
 def test_cached_uncached_and_beam_one_through_the_export(model_dir, exported, tmp_path):
     """Must-show 3 through exported SavedModels: cached == uncached tokens; beam 1 == greedy;
     beam 4 never scores below greedy."""
