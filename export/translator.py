@@ -21,9 +21,10 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 With `xla_max_batch` > 0 (`kt-export --xla-max-batch N`), the text
 signatures decode a batch of at most N sentences with the same search
 compiled by XLA (`tf.function(jit_compile=True)`) in float32, and larger
-batches with the graph decoder. A small batch's step is a few MFLOP spread over some 300
-ops, so it costs the executor's dispatch of each op; XLA runs the whole loop
-as one compiled program (2.2-2.6x faster at batch 1, bench/served_speed.py).
+batches with the graph decoder. A small batch's step is a few MFLOP spread
+over some 300 ops, so it costs the executor's dispatch of each op; XLA runs
+the whole loop as one compiled program (2.2-2.6x faster than the graph at
+batch 1; BENCHMARKS.md, "With small batches under XLA").
 At batch 64 XLA is no faster (greedy) or slower (beam search: every row stays
 in its fixed-shape loop until the last sentence ends), hence the threshold.
 XLA compiles once per input shape, so the source is padded to a multiple of
@@ -286,10 +287,10 @@ class Translator(tf.Module):
                 "score": tf.where(empty, 0.0, tf.reshape(scores, [-1]))}
 
     def _translate_beam(self, text):
-        return self._translate_text(text, self._beam, self.xla_max_batch and self._xla_beam)
+        return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
 
     def _translate_greedy(self, text):
-        return self._translate_text(text, self._greedy, self.xla_max_batch and self._xla_greedy)
+        return self._translate_text(text, self._greedy, self._xla_greedy if self.xla_max_batch else None)
 
     def _translate_ids(self, source_ids):
         # The same source the text signatures decode: pieces truncated to the limit, then one end id.
