@@ -1,11 +1,14 @@
 """Greedy decoding and beam search: cache-exact, batch-independent, and beam >= greedy."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
 from conftest import copy_task, random_ids
+from keras_transformer.decoding import _block_length, _most_likely_token, _next_tokens, _top_k
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
 
@@ -52,9 +55,10 @@ def _uncached_greedy(model, source, max_length):
     return target[:, 1:]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_cached_greedy_equals_uncached_greedy(seed):
-    model = _model(seed)
+# A vocabulary of 240 picks the best tokens by blocks (decoding._top_k), one of 24 by a plain top_k.
+@pytest.mark.parametrize("seed, vocab", [(0, 24), (1, 24), (0, 240)])
+def test_cached_greedy_equals_uncached_greedy(seed, vocab):
+    model = _model(seed, vocab)
     source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
     source[1, 3:] = 0
     tokens, _ = tf.function(lambda s: kt.greedy_decode(model, s, START, END, max_length=12))(source)
@@ -94,16 +98,53 @@ def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
     np.testing.assert_allclose(xla_scores.numpy(), scores.numpy(), rtol=1e-4)
 
 
-def test_beam_search_under_xla_sorts_no_candidate_row():
-    # XLA on CPU keeps top_k over the [batch, beam * vocab] candidates as its TopK kernel
-    # only while no slice is taken of the result; otherwise it sorts every candidate,
-    # every step (once 8x slower than no XLA at batch 64).
-    model = _model(0)
+@pytest.mark.parametrize("vocab", [24, 240])
+def test_beam_search_under_xla_sorts_no_vocabulary_row(vocab):
+    # XLA on CPU keeps a top_k as its TopK kernel only while no slice is taken of the
+    # result; otherwise it sorts the whole row, every step (once 8x slower than no XLA
+    # at batch 64, when the row was a sentence's beam * vocab candidates).
+    model = _model(0, vocab)
     source = random_ids(np.random.default_rng(0), 4, 6, high=24)
     decode = tf.function(lambda s: kt.beam_search(model, s, START, END, beam_size=3), jit_compile=True)
     hlo = decode.experimental_get_compiler_ir(source)(stage="optimized_hlo")
     sorts = [line for line in hlo.splitlines() if " sort(" in line]
-    assert not [line for line in sorts if f",{3 * 24}]" in line], sorts
+    shapes = [[int(d) for d in shape.split(",")] for line in sorts for shape in re.findall(r"\[([\d,]+)\]", line)]
+    assert not [shape for shape in shapes if max(shape) >= vocab], sorts
+
+
+@pytest.mark.parametrize("vocab, n", [(8000, 9), (8000, 2), (240, 5), (241, 3)])
+def test_blockwise_top_k_equals_top_k_ties_included(vocab, n):
+    # Integer values: each row's largest tie many times, and top_k breaks ties to the lower id.
+    values = tf.constant(np.random.default_rng(vocab + n).integers(-40, 40, size=(6, vocab)).astype("float32"))
+    assert (_block_length(vocab, n) is None) == (vocab == 241)  # a prime size has no blocks
+    top, ids = _top_k(values, n)
+    expected = tf.math.top_k(values, n)
+    np.testing.assert_array_equal(top.numpy(), expected.values.numpy())
+    np.testing.assert_array_equal(ids.numpy(), expected.indices.numpy())
+
+
+def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_the_limit():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(5, 240)).astype("float32")
+    logits[0, 0] = 100.0  # padding would be the most likely token
+    at_limit = np.array([False, True, False, False, True])
+    best = _next_tokens(tf.constant(logits), tf.constant(at_limit), END, 4)
+    most_likely = _most_likely_token(tf.constant(logits), tf.constant(at_limit), END)
+    log_probs = tf.nn.log_softmax(logits).numpy()  # over the whole vocabulary, padding included
+    allowed = log_probs.copy()
+    allowed[:, 0] = -np.inf
+    expected = np.argsort(-allowed, axis=-1, kind="stable")[:, :4]
+    free = ~at_limit
+    np.testing.assert_array_equal(best.token.numpy()[free], expected[free])
+    np.testing.assert_allclose(
+        best.log_prob.numpy()[free], np.take_along_axis(log_probs, expected, axis=-1)[free], rtol=1e-5
+    )
+    np.testing.assert_array_equal(best.token.numpy()[at_limit, 0], END)
+    np.testing.assert_allclose(best.log_prob.numpy()[at_limit, 0], log_probs[at_limit, END], rtol=1e-5)
+    assert (best.log_prob.numpy()[at_limit, 1:] < -1e8).all()
+    # The greedy choice is the first of them.
+    np.testing.assert_array_equal(most_likely.token.numpy(), best.token.numpy()[:, :1])
+    np.testing.assert_allclose(most_likely.log_prob.numpy(), best.log_prob.numpy()[:, :1], rtol=1e-6)
 
 
 def test_beam_size_one_is_greedy(copy_model):
