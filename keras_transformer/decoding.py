@@ -103,22 +103,22 @@ def _prepare(model, source_ids, max_length):
         raise ValueError(f"Decoding expects source_ids of shape [batch, source_len], got shape {source_ids.shape}.")
     source_ids = tf.cast(source_ids, tf.int32)
     source_mask = padding_mask(source_ids)
-    if max_length is None:
-        # Per sentence, so a sentence decodes the same alone or in any batch.
-        limits = tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1) + EXTRA_OUTPUT_LENGTH
-    else:
-        limits = tf.fill([tf.shape(source_ids)[0]], tf.cast(max_length, tf.int32))
-    if model.learned_positions:
-        # Output i is read from decoder position i, and a learned table has max_length positions.
-        limits = tf.minimum(limits, model.max_length)
-    limits = tf.maximum(limits, 1)
+
+    def output_bound(source_length):
+        """Most output tokens for a source of `source_length`: + 50, or `max_length`; at least 1."""
+        bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else tf.cast(max_length, tf.int32)
+        if model.learned_positions:
+            # Output i is read from decoder position i, and a learned table has max_length positions.
+            bound = tf.minimum(bound, model.max_length)
+        return tf.maximum(bound, 1)
+
+    # Per sentence, so a sentence decodes the same alone or in any batch.
+    limits = tf.broadcast_to(output_bound(tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)),
+                             [tf.shape(source_ids)[0]])
     if in_xla_context():
         # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
         # from the data, and buffers sized by it made the compiled loop 8x slower (greedy, batch 64).
-        steps = tf.shape(source_ids)[1] + EXTRA_OUTPUT_LENGTH if max_length is None else max_length
-        if model.learned_positions:
-            steps = tf.minimum(steps, model.max_length)
-        steps = tf.maximum(steps, 1)
+        steps = output_bound(tf.shape(source_ids)[1])
     else:
         steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
     return model.encode(source_ids, training=False), source_mask, limits, steps
