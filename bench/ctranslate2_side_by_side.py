@@ -48,7 +48,11 @@ without the end token, so it gets (longest source in the batch + 50) - 1: a
 sentence that runs on to its limit can come out longer from CTranslate2.
 Pad is never output (ours bans it; CTranslate2: `suppress_sequences`), and
 the end token may come first (`min_decoding_length=0`). TensorFlow runs with
-`--threads` intra-op threads (inter-op: TensorFlow's default).
+`--threads` intra-op threads (inter-op: TensorFlow's default), or with
+`--tf-inter-op-threads N --tf-intra-op-threads M`: an export with N parallel
+decoding loops (`kt-export --parallel-loops N`) runs its loops on N inter-op
+threads of 1 intra-op thread each, N threads in all, as CTranslate2's
+`intra_threads=N`.
 
 Length penalty: ours is ((5 + |y|) / 6)^alpha with |y| counting the end
 token, CTranslate2's |y|^lp without it. No lp gives ours exactly; by default
@@ -340,7 +344,10 @@ def write_outputs(directory, outputs):
 def run_compare(args) -> int:
     import sacrebleu
 
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_intra_op_parallelism_threads(args.tf_intra_op_threads or args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.tf_inter_op_threads)
+    tf_threads = (f"TF inter-op threads {args.tf_inter_op_threads or 'default'}, "
+                  f"intra-op {args.tf_intra_op_threads or args.threads}")
     load_at_start = os.getloadavg()
     sidecar = json.loads((Path(args.ct2_model) / SIDECAR_FILENAME).read_text())
     data = Path(args.data_dir)
@@ -356,7 +363,8 @@ def run_compare(args) -> int:
     ours = {beam: SavedModelTranslator(args.saved_model, signature) for beam, signature in DECODINGS}
     same_sources = source_ids_identical(args.saved_model, sources, sp, max_source_length)
     print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}, CTranslate2 {ctranslate2.__version__}; "
-          f"{len(sources)} sentences of {args.split}; {args.threads} threads; CTranslate2 length penalty "
+          f"{len(sources)} sentences of {args.split}; CTranslate2 {args.threads} threads, {tf_threads}; "
+          f"CTranslate2 length penalty "
           f"{length_penalty:.3f} (ours: alpha {args.alpha}; median reference length {median_length:g} pieces); "
           f"source ids identical: {same_sources} of {len(sources)}; load average {load_at_start[0]:.2f}", flush=True)
 
@@ -408,6 +416,8 @@ def run_compare(args) -> int:
             "ctranslate2": ctranslate2.__version__,
             "command": " ".join([sys.executable, *sys.argv]),
             "threads": args.threads,
+            "tf_inter_op_threads": args.tf_inter_op_threads,
+            "tf_intra_op_threads": args.tf_intra_op_threads or args.threads,
             "saved_model": str(args.saved_model),
             "ct2_model": str(args.ct2_model),
             "alpha": args.alpha,
@@ -452,6 +462,10 @@ def main(argv=None) -> int:
     m.add_argument("--batch1-limit", type=int, default=200, help="sentences at batch 1 (default 200)")
     m.add_argument("--batch-sizes", default="64,1")
     m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--tf-inter-op-threads", type=int, default=0, metavar="N",
+                   help="TensorFlow's inter-op threads (default 0: its own choice, one per core)")
+    m.add_argument("--tf-intra-op-threads", type=int, default=0, metavar="N",
+                   help="TensorFlow's intra-op threads (default 0: --threads)")
     m.add_argument("--json", help="also write the results here")
     m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
     args = p.parse_args(argv)

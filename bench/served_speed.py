@@ -17,6 +17,12 @@ alternate between the exports (A B A B ...), so that a noisy neighbour slows
 them alike, and the median is reported. The first export is the baseline:
 every other row gives its speed-up over it.
 
+`--inter-op-threads N --intra-op-threads M` set the session's thread pools
+as TF Serving's `--tensorflow_inter_op_parallelism` and
+`--tensorflow_intra_op_parallelism` do (default: TensorFlow's, one thread
+per core in each); an export with N parallel decoding loops is meant to be
+served with N inter-op threads and 1 intra-op thread.
+
 Also reports sacreBLEU of each export's beam output (batch 64) against the
 references, and how many greedy and beam translations equal the baseline's.
 
@@ -89,12 +95,21 @@ def main(argv=None) -> int:
     p.add_argument("--signatures", default="greedy,serving_default")
     p.add_argument("--batch-sizes", default="64,1")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--inter-op-threads", type=int, default=0, metavar="N",
+                   help="the session's inter-op threads, as TF Serving's --tensorflow_inter_op_parallelism "
+                        "(default 0: TensorFlow's choice, one per core)")
+    p.add_argument("--intra-op-threads", type=int, default=0, metavar="N",
+                   help="its intra-op threads, as --tensorflow_intra_op_parallelism (default 0: one per core)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
     import sacrebleu
     import tensorflow as tf
     import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the graphs use)
+
+    # Before any op runs: TensorFlow fixes its thread pools when it first executes.
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
 
     from export.translate import SavedModelTranslator
     from keras_transformer.text import read_lines
@@ -103,7 +118,9 @@ def main(argv=None) -> int:
     data = Path(args.data_dir)
     sources = read_lines(data / f"{args.split}.{args.source_lang}")[:args.limit]
     references = read_lines(data / f"{args.split}.{args.target_lang}")[:args.limit]
-    print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}; {len(sources)} sentences of {args.split}", flush=True)
+    threads = f"inter-op threads {args.inter_op_threads or 'default'}, intra-op {args.intra_op_threads or 'default'}"
+    print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}; {len(sources)} sentences of {args.split}; {threads}",
+          flush=True)
 
     results, outputs = [], {}
     for signature in args.signatures.split(","):
@@ -140,6 +157,8 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_line(),
         "tensorflow": tf.__version__,
+        "inter_op_threads": args.inter_op_threads,
+        "intra_op_threads": args.intra_op_threads,
         "load_average_at_end": os.getloadavg(),
         "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
         "exports": exports,

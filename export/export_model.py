@@ -35,7 +35,8 @@ import tensorflow as tf  # noqa: E402
 from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
-from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator, decode_policy  # noqa: E402
+from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
+from export.translator import decode_loops, decode_policy  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -71,8 +72,8 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 
 
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
-           use_cache=True, check_ops=True, precision="auto", xla_max_batch=0) -> Path:
-    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION."""
+           use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto") -> Path:
+    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `parallel_loops`: see `decode_loops`."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
     version = next_version(base) if version is None else int(version)
@@ -80,7 +81,8 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
     if target.exists():
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
     translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
-                                           use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch)
+                                           use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch,
+                                           parallel_loops=parallel_loops)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
         translator.save(tmp)
@@ -118,6 +120,10 @@ def build_parser():
                    help="decode batches of at most N sentences with the search compiled by XLA in float32 (2.5x faster at "
                         "batch 1 on CPU; each new input shape compiles once, 2-5 s). The model server must then "
                         "run with --xla_cpu_compilation_enabled. Default 0: no XLA")
+    p.add_argument("--parallel-loops", default="auto", metavar="N",
+                   help="decode a batch in N loops at once, outside XLA (1.4-1.8x faster at batch 64 on 2 cores); "
+                        "serve with --tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1. "
+                        "Default auto: one per CPU of THIS machine, at most 8")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
                    help="do not check that every op is one tensorflow_model_server has")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -130,14 +136,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.xla_max_batch < 0:
         parser.error(f"--xla-max-batch must be >= 0 (0: no XLA), got {args.xla_max_batch}")
+    try:
+        loops, loops_reason = decode_loops(args.parallel_loops)
+    except ValueError:
+        parser.error(f"--parallel-loops must be a number >= 1 or auto, got {args.parallel_loops!r}")
     t0 = time.time()
     policy, reason = decode_policy(args.precision)
     print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)
+    print(f"kt-export: {loops} decoding loop{'s' if loops > 1 else ''} per batch: {loops_reason}.", flush=True)
     try:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
                       model_file=args.model_file, beam_size=args.beam_size, alpha=args.alpha,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
-                      xla_max_batch=args.xla_max_batch)
+                      xla_max_batch=args.xla_max_batch, parallel_loops=loops)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2
@@ -145,6 +156,7 @@ def main(argv=None) -> int:
           f"{'cached' if args.use_cache else 'uncached'} decoding). Serve it with:\n"
           f"  tensorflow_model_server --rest_api_port=8501 --port=8500 --model_name={args.name} "
           f"--model_base_path={path.parent.resolve()}"
+          + (f" --tensorflow_inter_op_parallelism={loops} --tensorflow_intra_op_parallelism=1" if loops > 1 else "")
           + (" --xla_cpu_compilation_enabled" if args.xla_max_batch else ""))
     return 0
 

@@ -35,6 +35,13 @@ batch of 3 than alone (XLA rounds bfloat16 differently per shape); float32 is
 9% slower there at batch 1. TF Serving runs it only when started with
 `--xla_cpu_compilation_enabled`.
 
+With `parallel_loops` N > 1 (`kt-export --parallel-loops`; by default the
+exporting machine's CPUs, at most 8), the graph decoder splits a batch into N
+decoding loops that run at once (`keras_transformer.parallel_decode`): a
+step is ~400 small ops run one after another, so one loop keeps about one
+core busy. Serve it with N inter-op threads and 1 intra-op thread
+(`--tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1`).
+
 Inputs are made safe inside the graph: invalid UTF-8 is replaced with U+FFFD
 before tokenization, every source (text or ids) is truncated to the model's
 maximum source length (`max_length - 1` pieces + the end id), and one string
@@ -55,6 +62,7 @@ tracks exactly the variables its concrete functions capture (what
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import keras
@@ -136,6 +144,28 @@ def decode_policy(precision="auto", flags=None) -> tuple[str | None, str]:
     return "float32", "this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16), where float32 is faster"
 
 
+# ------------------------------------------------------------ decoding loops
+
+# "auto" loops: one per CPU of the exporting machine, at most this many (a batch of 64 then has 8 rows a loop).
+MAX_AUTO_LOOPS = 8
+
+
+def decode_loops(parallel_loops="auto", cpus=None) -> tuple[int, str]:
+    """(decoding loops per batch, the reason in a few words); "auto": one per CPU, at most `MAX_AUTO_LOOPS`.
+
+    `cpus`: the CPUs this process may use by default.
+    """
+    if parallel_loops != "auto":
+        loops = int(parallel_loops)
+        if loops < 1:
+            raise ValueError(f"parallel_loops must be >= 1 or 'auto', got {parallel_loops!r}")
+        return loops, f"{loops} asked for"
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    loops = max(1, min(cpus, MAX_AUTO_LOOPS))
+    return loops, f"this machine has {cpus} CPU{'s' if cpus != 1 else ''}" + (
+        f" (at most {MAX_AUTO_LOOPS} loops)" if cpus > MAX_AUTO_LOOPS else "")
+
+
 def with_dtype_policy(model, policy):
     """`model` with its weights, computing under the Keras dtype `policy` (None: `model` itself).
 
@@ -177,6 +207,8 @@ class Translator(tf.Module):
             XLA-compiled function (see the module docstring); 0: never.
         xla_model: the model that function runs (`from_model_dir` gives a
             float32 copy); default `model`.
+        parallel_loops: a batch decodes in this many loops at once, outside
+            XLA (see the module docstring); 1: one loop.
 
     Functions (each a `tf.function`; `signatures()` names them):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
@@ -194,12 +226,14 @@ class Translator(tf.Module):
     """
 
     def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, alpha=0.6, use_cache=True,
-                 tokenizer_file=None, xla_max_batch=0, xla_model=None, name="translator"):
+                 tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if xla_max_batch < 0:
             raise ValueError(f"xla_max_batch must be >= 0 (0: no XLA), got {xla_max_batch}")
+        if parallel_loops < 1:
+            raise ValueError(f"parallel_loops must be >= 1, got {parallel_loops}")
         if max_source_length is not None and max_source_length < 2:
             raise ValueError(f"max_source_length must be >= 2 (one piece and the end id), got {max_source_length}")
         self.tokenizer = tokenizer  # tracked: its sentencepiece resource is captured by the functions
@@ -210,6 +244,7 @@ class Translator(tf.Module):
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
         # the functions capture (see the module docstring). The closures keep it alive.
         self._model = lambda: model
+        self.parallel_loops = int(parallel_loops)
         self.xla_max_batch = int(xla_max_batch)
         if self.xla_max_batch:
             xla_model = model if xla_model is None else xla_model
@@ -230,15 +265,17 @@ class Translator(tf.Module):
 
     @classmethod
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
-                       precision="auto", xla_max_batch=0):
+                       precision="auto", xla_max_batch=0, parallel_loops=1):
         """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
-        in `precision` (see `decode_policy`); with `xla_max_batch`, small batches under XLA in float32."""
+        in `precision` (see `decode_policy`); with `xla_max_batch`, small batches under XLA in float32;
+        `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
         model = with_dtype_policy(loaded, decode_policy(precision)[0])
         xla_model = with_dtype_policy(loaded, "float32") if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
-                   xla_max_batch=xla_max_batch, xla_model=xla_model)
+                   xla_max_batch=xla_max_batch, xla_model=xla_model,
+                   parallel_loops=decode_loops(parallel_loops)[0])
 
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
@@ -251,12 +288,16 @@ class Translator(tf.Module):
 
     def _beam(self, source_ids, model=None):
         model = self._model() if model is None else model
-        return kt.beam_search(model, source_ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
-                              use_cache=self.use_cache)
+        return kt.parallel_decode(
+            lambda ids: kt.beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
+                                       use_cache=self.use_cache),
+            source_ids, self.parallel_loops)
 
     def _greedy(self, source_ids, model=None):
         model = self._model() if model is None else model
-        return kt.greedy_decode(model, source_ids, START_ID, END_ID, alpha=self.alpha, use_cache=self.use_cache)
+        return kt.parallel_decode(
+            lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha, use_cache=self.use_cache),
+            source_ids, self.parallel_loops)
 
     def _decode(self, source, decode, xla_decode):
         """`decode(source)`, or for a batch of 1 to `xla_max_batch` sentences `xla_decode` on the source

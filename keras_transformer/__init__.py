@@ -1,7 +1,7 @@
 """keras-transformer: the Transformer of "Attention Is All You Need" as Keras 3 layers."""
 
 from keras_transformer.attention import MultiHeadAttention
-from keras_transformer.decoding import beam_search, greedy_decode, greedy_generate, length_penalty
+from keras_transformer.decoding import beam_search, greedy_decode, greedy_generate, length_penalty, parallel_decode
 from keras_transformer.decoder import Decoder, DecoderLayer
 from keras_transformer.embedding import PositionalEmbedding, positional_encoding
 from keras_transformer.encoder import Encoder, EncoderLayer

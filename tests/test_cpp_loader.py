@@ -67,7 +67,8 @@ def serving_check():
 
 @pytest.fixture(scope="module")
 def exported(quick_model_dir, tmp_path_factory):
-    return export(quick_model_dir, tmp_path_factory.mktemp("cpp-exports"), check_ops=False)
+    # 2 decoding loops (kt-export's default on 2 CPUs), on any machine: the C++ loader runs them at once.
+    return export(quick_model_dir, tmp_path_factory.mktemp("cpp-exports"), check_ops=False, parallel_loops=2)
 
 
 def run_serving_check(binary, saved_model, tmp_path, requests=(), *, warmup=False, threads=0):

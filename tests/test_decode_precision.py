@@ -1,11 +1,12 @@
-"""The exported decoder computes in the precision that is fast on the CPU, not in the training policy."""
+"""The exported decoder computes in the precision that is fast on the CPU, not in the training policy,
+and in as many loops as the exporting machine has CPUs."""
 
 import keras
 import numpy as np
 import pytest
 
 import keras_transformer as kt
-from export.translator import decode_policy, with_dtype_policy
+from export.translator import MAX_AUTO_LOOPS, decode_loops, decode_policy, with_dtype_policy
 
 
 def test_auto_decodes_in_bfloat16_only_where_the_cpu_computes_it_natively():
@@ -38,3 +39,13 @@ def test_a_model_trained_in_mixed_bfloat16_decodes_in_the_chosen_policy_with_its
     np.testing.assert_allclose(keras.ops.convert_to_numpy(bfloat16((source, target))), mixed, atol=0.1)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(float32((source, target))), mixed, atol=0.1)
     assert with_dtype_policy(model, None) is model and with_dtype_policy(model, "mixed_bfloat16") is model
+
+
+def test_auto_loops_follow_the_cpus_and_a_bad_count_is_named():
+    assert decode_loops("auto", cpus=1)[0] == 1
+    loops, reason = decode_loops("auto", cpus=2)
+    assert loops == 2 and "2 CPUs" in reason
+    assert decode_loops("auto", cpus=64)[0] == MAX_AUTO_LOOPS
+    assert decode_loops("3", cpus=64)[0] == 3 and decode_loops(1)[0] == 1
+    with pytest.raises(ValueError, match="parallel_loops must be >= 1 or 'auto', got 0"):
+        decode_loops(0)

@@ -202,6 +202,31 @@ def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
     assert float(batch_scores[1]) == pytest.approx(float(alone_score[0]), rel=1e-5)
 
 
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
+    """Each of the loops is its own `tf.while_loop` in the graph, and the rows come back in place."""
+    if decode == "greedy":
+        search = lambda s: kt.greedy_decode(copy_model, s, START, END)  # noqa: E731
+    else:
+        search = lambda s: kt.beam_search(copy_model, s, START, END, beam_size=3)  # noqa: E731
+    spec = [tf.TensorSpec([None, None], tf.int32)]
+    one_loop = tf.function(search, input_signature=spec)
+    sources = _sources(11, 7)
+    sources[::3, 4:] = 0  # sentences of different lengths: the loops' outputs differ in length
+    sources[::3, 3] = END
+    for num_loops in (2, 3):
+        run = tf.function(lambda s: kt.parallel_decode(search, s, num_loops), input_signature=spec)
+        for n in (0, 1, 2, 7):
+            tokens, scores = run(sources[:n])
+            expected_tokens, expected_scores = one_loop(sources[:n])
+            np.testing.assert_array_equal(tokens.numpy(), expected_tokens.numpy())
+            np.testing.assert_allclose(scores.numpy(), expected_scores.numpy(), rtol=1e-5)
+        graph = run.get_concrete_function().graph.as_graph_def()
+        assert sum(node.op in ("While", "StatelessWhile") for node in graph.node) == num_loops
+    with pytest.raises(ValueError, match="num_loops must be >= 1, got 0"):
+        kt.parallel_decode(search, sources, 0)
+
+
 def _never_ending_model(**kwargs):
     """A random model whose end token always loses: only the length limit stops decoding."""
     model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
