@@ -52,7 +52,9 @@ the end token may come first (`min_decoding_length=0`). TensorFlow runs with
 `--tf-inter-op-threads N --tf-intra-op-threads M`: an export with N parallel
 decoding loops (`kt-export --parallel-loops N`) runs its loops on N inter-op
 threads of 1 intra-op thread each, N threads in all, as CTranslate2's
-`intra_threads=N`.
+`intra_threads=N`. CTranslate2 can split a batch the same way:
+`--ct2-inter-threads N --threads 1 --ct2-max-batch-size B` runs chunks of B
+sentences on N threads of 1.
 
 Length penalty: ours is ((5 + |y|) / 6)^alpha with |y| counting the end
 token, CTranslate2's |y|^lp without it. No lp gives ours exactly; by default
@@ -286,10 +288,11 @@ class CTranslate2Texts:
     """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
     -> (translations, scores); scores are None (not computed)."""
 
-    def __init__(self, model_dir, max_source_length, length_penalty, threads):
+    def __init__(self, model_dir, max_source_length, length_penalty, threads, inter_threads=1, max_batch_size=0):
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / TOKENIZER_FILENAME))
         self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="float32",
-                                                 intra_threads=threads, inter_threads=1)
+                                                 intra_threads=threads, inter_threads=inter_threads)
+        self.max_batch_size = max_batch_size  # 0: the whole batch at once; else chunks, run on the inter_threads
         self.max_source_length = max_source_length
         self.length_penalty = length_penalty
         self.pad = self.sp.id_to_piece(PAD_ID)
@@ -308,7 +311,7 @@ class CTranslate2Texts:
         results = self.translator.translate_batch(
             pieces, beam_size=beam_size, length_penalty=self.length_penalty,
             max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
-            min_decoding_length=0, suppress_sequences=[[self.pad]])
+            min_decoding_length=0, suppress_sequences=[[self.pad]], max_batch_size=self.max_batch_size)
         return self.sp.decode([r.hypotheses[0] for r in results]), [None] * len(texts)
 
 
@@ -359,11 +362,13 @@ def run_compare(args) -> int:
     length_penalty, median_length = matched_length_penalty(args.alpha, references, sp)
     if args.ct2_length_penalty is not None:
         length_penalty = args.ct2_length_penalty
-    ct2 = CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, args.threads)
+    ct2 = CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, args.threads,
+                           args.ct2_inter_threads, args.ct2_max_batch_size)
     ours = {beam: SavedModelTranslator(args.saved_model, signature) for beam, signature in DECODINGS}
     same_sources = source_ids_identical(args.saved_model, sources, sp, max_source_length)
     print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}, CTranslate2 {ctranslate2.__version__}; "
-          f"{len(sources)} sentences of {args.split}; CTranslate2 {args.threads} threads, {tf_threads}; "
+          f"{len(sources)} sentences of {args.split}; CTranslate2 intra_threads {args.threads}, inter_threads "
+          f"{args.ct2_inter_threads}, max_batch_size {args.ct2_max_batch_size}; {tf_threads}; "
           f"CTranslate2 length penalty "
           f"{length_penalty:.3f} (ours: alpha {args.alpha}; median reference length {median_length:g} pieces); "
           f"source ids identical: {same_sources} of {len(sources)}; load average {load_at_start[0]:.2f}", flush=True)
@@ -416,6 +421,8 @@ def run_compare(args) -> int:
             "ctranslate2": ctranslate2.__version__,
             "command": " ".join([sys.executable, *sys.argv]),
             "threads": args.threads,
+            "ct2_inter_threads": args.ct2_inter_threads,
+            "ct2_max_batch_size": args.ct2_max_batch_size,
             "tf_inter_op_threads": args.tf_inter_op_threads,
             "tf_intra_op_threads": args.tf_intra_op_threads or args.threads,
             "saved_model": str(args.saved_model),
@@ -466,6 +473,11 @@ def main(argv=None) -> int:
                    help="TensorFlow's inter-op threads (default 0: its own choice, one per core)")
     m.add_argument("--tf-intra-op-threads", type=int, default=0, metavar="N",
                    help="TensorFlow's intra-op threads (default 0: --threads)")
+    m.add_argument("--ct2-inter-threads", type=int, default=1, metavar="N",
+                   help="CTranslate2's inter_threads: batches (chunks of --ct2-max-batch-size) run at once (default 1)")
+    m.add_argument("--ct2-max-batch-size", type=int, default=0, metavar="N",
+                   help="CTranslate2 splits each batch into chunks of N sentences (default 0: no split); with "
+                        "--ct2-inter-threads 2 --threads 1, a batch of 64 as 2 chunks of 32 at once")
     m.add_argument("--json", help="also write the results here")
     m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
     args = p.parse_args(argv)

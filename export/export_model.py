@@ -121,7 +121,8 @@ def build_parser():
                         "batch 1 on CPU; each new input shape compiles once, 2-5 s). The model server must then "
                         "run with --xla_cpu_compilation_enabled. Default 0: no XLA")
     p.add_argument("--parallel-loops", default="auto", metavar="N",
-                   help="decode a batch in N loops at once, outside XLA (1.4-1.8x faster at batch 64 on 2 cores); "
+                   help="decode a batch in N loops at once, outside XLA (at batch 64 on 2 cores, with the flags that "
+                        "follow: greedy 1.5x, beam 4 1.3x faster than one loop under TF's default threads); "
                         "serve with --tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1. "
                         "Default auto: one per CPU of THIS machine, at most 8")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
