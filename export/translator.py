@@ -160,7 +160,8 @@ def decode_loops(parallel_loops="auto", cpus=None) -> tuple[int, str]:
         if loops < 1:
             raise ValueError(f"parallel_loops must be >= 1 or 'auto', got {parallel_loops!r}")
         return loops, f"{loops} asked for"
-    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    if cpus is None:  # the CPUs this process may run on (no affinity call outside Linux: all of them)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     loops = max(1, min(cpus, MAX_AUTO_LOOPS))
     return loops, f"this machine has {cpus} CPU{'s' if cpus != 1 else ''}" + (
         f" (at most {MAX_AUTO_LOOPS} loops)" if cpus > MAX_AUTO_LOOPS else "")
