@@ -607,12 +607,12 @@ def parallel_decode(search, source_ids, num_loops):
     graph run at once on the executor's inter-op threads. Row i goes to loop
     i mod num_loops, so the loops of a length-sorted batch get sentences of
     the same lengths and end together. Give the session N inter-op threads
-    and 1 intra-op thread: served on a 2-core EPYC at batch 64, 2 loops so
-    decoded 1.5x (greedy) and 1.3x (beam 4) faster than one loop under
-    TensorFlow's default threads (2 of each), while under those defaults 2
-    loops gained little (0.93x, 1.13x): each loop's matmuls then wait for
-    intra-op threads the other loop holds (BENCHMARKS.md, "Two decoding
-    loops per batch"). Under XLA the whole search is one compiled program:
+    and 1 intra-op thread: served on a 2-core EPYC at batch 64, side by side
+    on those threads, 2 loops decoded 1.7x (greedy) and 1.6x (beam 4) faster
+    than one loop; on TensorFlow's default threads (2 of each) they gained
+    little (0.93x, 1.13x): each loop's matmuls then wait for intra-op
+    threads the other loop holds (BENCHMARKS.md, "Two decoding loops per
+    batch"). Under XLA the whole search is one compiled program:
     `search(source_ids)` itself.
     """
     if num_loops < 1:
