@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from keras_transformer.linear import is_plain, matmul_2d, weight
 from keras_transformer.masking import causal_mask
-from keras_transformer.tf_internals import in_xla_context
+from keras_transformer.tf_internals import eigen_batch_matmul, in_xla_context
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -233,21 +233,23 @@ def _attend_one_position(query, key, value, mask):
 
     query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
     leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
-    The softmax is written out in float32: oneDNN's softmax kernel costs ~40 us a call on a
+    Computed in float32 whatever the layer's dtype, on Eigen's batched matmul
+    (`eigen_batch_matmul`: oneDNN's pays a fixed cost for each of the step's ~100
+    one-row products). The output is cast back to `value`'s dtype. The softmax is
+    written out: oneDNN's softmax kernel costs ~40 us a call on a
     2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
-    The matmuls stay: elementwise products and sums were 3-5x cheaper at batch 1, but a
+    Elementwise products and sums were 3-5x cheaper at batch 1, but a
     sentence's result then depended on its batch (the cheaper form pays only below a size)
     and the cached step no longer equalled the full pass token for token.
     """
-    scores = tf.cast(tf.matmul(query, key, transpose_b=True), tf.float32)
+    scores = eigen_batch_matmul(query, key, adjoint_b=True)
     if mask is not None:
         scores = tf.where(mask, scores, -1e9)
     weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
     weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
     if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
         weights = tf.where(mask, weights, 0.0)
-    weights = tf.cast(weights, value.dtype)
-    return tf.matmul(weights, value), weights
+    return tf.cast(eigen_batch_matmul(weights, value), value.dtype), tf.cast(weights, value.dtype)
 
 
 def _project(x, dense):

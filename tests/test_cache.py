@@ -96,6 +96,39 @@ def test_a_cache_of_free_length_grows_in_a_while_loop():
     np.testing.assert_allclose(stepped.numpy(), full, atol=1e-5)
 
 
+def test_a_bfloat16_decoding_step_hands_back_bfloat16_and_equals_the_full_pass():
+    """A one-position step attends in float32 (Eigen's batched matmul, see `eigen_batch_matmul`),
+    then returns the layer's compute dtype; self- and cross-attention, in a while loop as decoding runs it."""
+    rng = np.random.default_rng(7)
+    x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
+    memory = tf.constant(rng.normal(size=(2, 5, 16)).astype("float32"))
+    memory_mask = tf.constant([[[True, True, True, False, False]], [[True] * 5]])
+    self_mha = kt.MultiHeadAttention(num_heads=4, key_dim=4, dtype="mixed_bfloat16")
+    cross_mha = kt.MultiHeadAttention(num_heads=4, key_dim=4, dtype="mixed_bfloat16")
+    full = cross_mha(self_mha(x, x, use_causal_mask=True), memory, attention_mask=memory_mask)
+
+    @tf.function
+    def step_by_step(x):
+        cross_cache = cross_mha.compute_cache(memory)
+
+        def body(t, cache, outputs):
+            y, cache = self_mha(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_index=t)
+            y, _ = cross_mha(y, memory, attention_mask=memory_mask, cache=cross_cache)
+            return t + 1, cache, outputs.write(t, y[:, 0])
+
+        free = tf.TensorShape([2, 4, None, 4])
+        _, _, outputs = tf.while_loop(
+            lambda t, *_: t < 6, body, (0, self_mha.empty_cache(2), tf.TensorArray(tf.bfloat16, 6)),
+            shape_invariants=(tf.TensorShape([]), (free, free), None),
+        )
+        return tf.transpose(outputs.stack(), [1, 0, 2])
+
+    stepped = step_by_step(x)
+    assert stepped.dtype == full.dtype == tf.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: outputs of size ~1 agree to a few hundredths.
+    np.testing.assert_allclose(tf.cast(stepped, tf.float32).numpy(), tf.cast(full, tf.float32).numpy(), atol=0.05)
+
+
 def test_hypotheses_read_their_sentence_cross_attention_cache():
     """g rows per sentence over a cache of one entry per sentence (beam search) = each row over its own copy."""
     rng = np.random.default_rng(6)
