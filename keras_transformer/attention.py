@@ -233,23 +233,28 @@ def _attend_one_position(query, key, value, mask):
 
     query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
     leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
-    Computed in float32 whatever the layer's dtype, on Eigen's batched matmul
-    (`eigen_batch_matmul`: oneDNN's pays a fixed cost for each of the step's ~100
-    one-row products). The output is cast back to `value`'s dtype. The softmax is
+    The products run on Eigen's batched matmul in float32 (`eigen_batch_matmul`: oneDNN's
+    pays a fixed cost for each of the step's ~100 one-row products); scores, weights and
+    output are rounded to `value`'s dtype where the full pass rounds them. The softmax is
     written out: oneDNN's softmax kernel costs ~40 us a call on a
     2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
     Elementwise products and sums were 3-5x cheaper at batch 1, but a
     sentence's result then depended on its batch (the cheaper form pays only below a size)
     and the cached step no longer equalled the full pass token for token.
     """
-    scores = eigen_batch_matmul(query, key, adjoint_b=True)
+    # Scores and weights are rounded to the layer's dtype, as the full pass's matmuls round them: in
+    # bfloat16, float32 scores and weights made a step differ from the full pass (a greedy output
+    # changed token), and a sentence's score depend on its batch (served in batches of 64 and 16).
+    dtype = value.dtype
+    scores = tf.cast(tf.cast(eigen_batch_matmul(query, key, adjoint_b=True), dtype), tf.float32)
     if mask is not None:
         scores = tf.where(mask, scores, -1e9)
     weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
     weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
     if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
         weights = tf.where(mask, weights, 0.0)
-    return tf.cast(eigen_batch_matmul(weights, value), value.dtype), tf.cast(weights, value.dtype)
+    weights = tf.cast(weights, dtype)
+    return tf.cast(eigen_batch_matmul(weights, value), dtype), weights
 
 
 def _project(x, dense):

@@ -97,8 +97,8 @@ def test_a_cache_of_free_length_grows_in_a_while_loop():
 
 
 def test_a_bfloat16_decoding_step_hands_back_bfloat16_and_equals_the_full_pass():
-    """A one-position step attends in float32 (Eigen's batched matmul, see `eigen_batch_matmul`),
-    then returns the layer's compute dtype; self- and cross-attention, in a while loop as decoding runs it."""
+    """A one-position step multiplies in float32 (Eigen's batched matmul, see `eigen_batch_matmul`) and
+    rounds to the layer's dtype; self- and cross-attention, in a while loop as decoding runs it."""
     rng = np.random.default_rng(7)
     x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
     memory = tf.constant(rng.normal(size=(2, 5, 16)).astype("float32"))
