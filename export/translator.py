@@ -209,7 +209,8 @@ class Translator(tf.Module):
         xla_model: the model that function runs (`from_model_dir` gives a
             float32 copy); default `model`.
         parallel_loops: a batch decodes in this many loops at once, outside
-            XLA (see the module docstring); 1: one loop.
+            XLA (see the module docstring); 1: one loop; "auto": see
+            `decode_loops`.
 
     Functions (each a `tf.function`; `signatures()` names them):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
@@ -233,8 +234,7 @@ class Translator(tf.Module):
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if xla_max_batch < 0:
             raise ValueError(f"xla_max_batch must be >= 0 (0: no XLA), got {xla_max_batch}")
-        if parallel_loops < 1:
-            raise ValueError(f"parallel_loops must be >= 1, got {parallel_loops}")
+        parallel_loops, _ = decode_loops(parallel_loops)  # names a bad count before anything is traced
         if max_source_length is not None and max_source_length < 2:
             raise ValueError(f"max_source_length must be >= 2 (one piece and the end id), got {max_source_length}")
         self.tokenizer = tokenizer  # tracked: its sentencepiece resource is captured by the functions
@@ -245,7 +245,7 @@ class Translator(tf.Module):
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
         # the functions capture (see the module docstring). The closures keep it alive.
         self._model = lambda: model
-        self.parallel_loops = int(parallel_loops)
+        self.parallel_loops = parallel_loops
         self.xla_max_batch = int(xla_max_batch)
         if self.xla_max_batch:
             xla_model = model if xla_model is None else xla_model
@@ -276,7 +276,7 @@ class Translator(tf.Module):
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
-                   parallel_loops=decode_loops(parallel_loops)[0])
+                   parallel_loops=parallel_loops)
 
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
