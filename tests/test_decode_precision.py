@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
-from export.translator import MAX_AUTO_LOOPS, decode_loops, decode_policy, with_dtype_policy
+import tensorflow as tf
+
+from export.translator import MAX_AUTO_LOOPS, decode_loops, decode_policy, with_dtype_policy, xla_decoding_copy
 
 
 def test_auto_decodes_in_bfloat16_only_where_the_cpu_computes_it_natively():
@@ -39,6 +41,27 @@ def test_a_model_trained_in_mixed_bfloat16_decodes_in_the_chosen_policy_with_its
     np.testing.assert_allclose(keras.ops.convert_to_numpy(bfloat16((source, target))), mixed, atol=0.1)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(float32((source, target))), mixed, atol=0.1)
     assert with_dtype_policy(model, None) is model and with_dtype_policy(model, "mixed_bfloat16") is model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_xla_decoding_copy_computes_the_models_logits_and_decodes_the_same(tied):
+    """The XLA decoder's copy stores a tied output projection untied, `[d_model, vocab]`: the same
+    logits (float32, the products summed in another order), the same greedy and beam output under XLA."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=32, tie_output_embedding=tied, dtype="mixed_bfloat16")
+    model.build()
+    copy = xla_decoding_copy(model)
+    assert copy.output_projection is not None and {w.dtype for w in copy.weights} == {"float32"}
+    assert model.dtype_policy.name == "mixed_bfloat16" and model.tie_output_embedding == tied
+    source = np.array([[5, 6, 7, 8, 3, 0], [9, 10, 3, 0, 0, 0]], "int32")
+    target = np.array([[2, 8, 9, 11], [2, 12, 13, 0]], "int32")
+    reference = with_dtype_policy(model, "float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(copy((source, target))),
+                               keras.ops.convert_to_numpy(reference((source, target))), rtol=1e-5, atol=1e-5)
+    for search in (lambda m, s: kt.greedy_decode(m, s, 2, 3), lambda m, s: kt.beam_search(m, s, 2, 3, beam_size=3)):
+        ours = tf.function(lambda s: search(copy, s), jit_compile=True)(source)
+        theirs = tf.function(lambda s: search(reference, s), jit_compile=True)(source)
+        np.testing.assert_array_equal(ours[0].numpy(), theirs[0].numpy())
+        np.testing.assert_allclose(ours[1].numpy(), theirs[1].numpy(), rtol=1e-5)
 
 
 def test_auto_loops_follow_the_cpus_and_a_bad_count_is_named():
