@@ -32,7 +32,9 @@ XLA compiles once per input shape, so the source is padded to a multiple of
 a few dozen shapes, each compiled on first use (2-5 s). Float32, because in
 bfloat16 the compiled search gave a sentence a different translation in a
 batch of 3 than alone (XLA rounds bfloat16 differently per shape); float32 is
-9% slower there at batch 1. TF Serving runs it only when started with
+9% slower there at batch 1. It runs `xla_decoding_copy(model)`, whose output
+projection is stored `[d_model, vocab]`, the layout XLA's CPU matmul reads
+fastest. TF Serving runs it only when started with
 `--xla_cpu_compilation_enabled`.
 
 With `parallel_loops` N > 1 (`kt-export --parallel-loops`; by default the
