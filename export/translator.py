@@ -72,6 +72,7 @@ import tensorflow as tf
 
 import keras_transformer as kt
 from keras_transformer.hardware import native_bf16_flags
+from keras_transformer.linear import weight
 from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source, make_tokenizer
 from keras_transformer.text import read_tokenizer_proto, source_from_pieces
 
@@ -178,10 +179,7 @@ def with_dtype_policy(model, policy):
     """
     if policy is None or model.dtype_policy.name == policy:
         return model
-    config = model.get_config()
-    config["dtype"] = policy
-    clone = type(model).from_config(config)
-    clone.build()
+    clone = _rebuilt(model, dtype=policy)
     clone.set_weights(model.get_weights())
     return clone
 
@@ -196,18 +194,23 @@ def xla_decoding_copy(model):
     tokens (BENCHMARKS.md, "The XLA decoder's output projection"). It costs the export
     one more `[d_model, vocab]` float32 variable.
     """
-    config = model.get_config() | {"dtype": "float32", "tie_output_embedding": False}
-    clone = type(model).from_config(config)
-    clone.build()
+    clone = _rebuilt(model, dtype="float32", tie_output_embedding=False)
     for name in ("source_embedding", "target_embedding", "encoder", "decoder"):
         if getattr(model, name) is not None:
             getattr(clone, name).set_weights(getattr(model, name).get_weights())
     if model.output_projection is not None:
         clone.output_projection.set_weights(model.output_projection.get_weights())
     else:
-        embeddings = keras.ops.convert_to_tensor(model.target_embedding.token_embedding.embeddings)
-        clone.output_projection.kernel.assign(tf.transpose(tf.cast(embeddings, tf.float32)))
+        embeddings = weight(model.target_embedding.token_embedding.embeddings, tf.float32)
+        clone.output_projection.kernel.assign(tf.transpose(embeddings))
         clone.output_projection.bias.assign(tf.zeros_like(clone.output_projection.bias))
+    return clone
+
+
+def _rebuilt(model, **overrides):
+    """A new, built model of `model`'s class and config, `overrides` replacing config entries; its own weights."""
+    clone = type(model).from_config(model.get_config() | overrides)
+    clone.build()
     return clone
 
 
