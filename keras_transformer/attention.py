@@ -1,11 +1,13 @@
 """Multi-head attention (paper section 3.2) with a key/value cache for decoding."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.linear import is_plain, matmul_2d, weight
 from keras_transformer.masking import causal_mask
-from keras_transformer.tf_internals import eigen_batch_matmul, in_xla_context
+
+# The score a masked position gets before the softmax (as Keras' own Softmax does).
+MASKED_SCORE = -1e9
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -21,66 +23,54 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     `keras.layers.MultiHeadAttention` computes: same arguments, same weights,
     and the Keras masks (`query_mask`, `value_mask`, `key_mask`,
     `use_causal_mask`) work as usual (an explicit `query_mask` is honoured too;
-    Keras' layer reads only the Keras mask of `query`). It computes it faster in training: the
-    projections are plain 2-D matrix multiplications (Q, K and V fused into one
-    in self-attention), where Keras' `EinsumDense` broadcasts the kernel over
-    the batch and sums its gradient back per sentence. Options this does not
-    cover (`use_gate`, `sliding_window`, other `attention_axes`, quantized
-    kernels) run Keras' own code.
+    Keras' layer reads only the Keras mask of `query`). It computes it faster in
+    training: the projections are plain 2-D matrix multiplications (Q, K and V
+    fused into one in self-attention), where Keras' `EinsumDense` broadcasts the
+    kernel over the batch and sums its gradient back per sentence. Options this
+    does not cover (`use_gate`, `sliding_window`, other `attention_axes`,
+    quantized kernels) run Keras' own code. Written in `keras.ops`: it runs on
+    the JAX, PyTorch and TensorFlow backends.
 
-    With `cache` it runs one decoding step and reuses earlier work. The cache is
-    a pair `(keys, values)` of projected heads, each
-    `[batch, num_heads, cache_length, key_dim]`: heads before positions, the
-    layout the attention's batched matrix multiplications read, so a step
-    never transposes the cache (that transpose was a quarter of a decoding
-    step's time on CPU).
+    The cache is a pair `(keys, values)` of projected heads, each
+    `[batch, num_heads, length, key_dim]`. Three modes, chosen by the arguments
+    alone (as keras-hub's `CachedMultiHeadAttention`):
 
-    - Self-attention: pass `cache_index=t`. The projected keys/values of the
-      new query positions are written at positions `t, t + 1, ...`, and the
-      query at `t + i` attends to cache positions `<= t + i` (causal). Start
-      from `empty_cache(batch, max_length)`:
-      - `max_length=0`: the cache grows by the new positions at each call
-        (write at `t` = its length). A step then copies and reads only the
-        positions decoded so far, the fastest outside XLA.
-      - `max_length=n`: a fixed buffer of n positions. Its shape never
-        changes, which XLA (`jit_compile=True`) needs; there the write is an
-        in-place `dynamic_update_slice`.
-      In your own `tf.while_loop` (outside XLA), a cache whose length the
-      shape invariant leaves free (`None`) is taken to grow; keep a fixed
-      buffer's length in the invariant.
-    - Cross-attention: build the cache once with `compute_cache(encoder_output)`
-      and pass it with `cache_index=None`; keys and values are then
-      never projected again. A one-position query may have g consecutive
-      rows per cached sentence (beam search's g hypotheses): `query`
-      `[batch * g, 1, dim]` over a cache of `batch` sentences, with
-      `attention_mask` `[batch, 1, source_len]`; the cache is then not
-      repeated per hypothesis.
+    - `cache=None`: no cache, the full pass.
+    - `cache` and `cache_index=t`: self-attention over a fixed buffer from
+      `empty_cache(batch, max_length)`. The projected keys/values of the new
+      query positions are written at positions `t, t + 1, ...`, and the query
+      at `t + i` attends to cache positions `<= t + i` (causal; the slots
+      after it are never read). The buffer keeps its shape, so the call
+      compiles (`jax.jit`, XLA).
+    - `cache` and `cache_index=None`: cross-attention over keys/values
+      projected once by `compute_cache(encoder_output)`; `value` is not
+      projected again.
 
     In cached mode the call returns `(output, cache)` (or
     `(output, scores, cache)` with `return_attention_scores=True`), and the
     only mask used is `attention_mask` (`[batch, query_len, cache_length]`,
     combined with the causal rule for self-attention). Pass the padding mask
-    explicitly: Keras masks do not survive a `tf.function` boundary.
+    explicitly: Keras masks do not cross a compiled function's boundary.
 
     Example:
 
     ```python
     mha = MultiHeadAttention(num_heads=8, key_dim=64)
     y = mha(x, x, use_causal_mask=True)           # full pass, [b, t, 512]
-    cache = mha.empty_cache(batch_size=b, max_length=0)
-    for i in range(t):                             # the same, one step at a time (the cache grows)
+    cache = mha.empty_cache(batch_size=b, max_length=t)
+    for i in range(t):                             # the same, one position at a time
         y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i)
+    memory_cache = mha.compute_cache(memory)      # cross-attention: memory projected once
+    z, _ = mha(x, memory, cache=memory_cache, attention_mask=source_mask[:, None, :])
     ```
+
+    Reference: Vaswani et al., "Attention Is All You Need", 2017, section 3.2.
     """
 
-    def empty_cache(self, batch_size, max_length=0):
-        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention.
-
-        `max_length=0` (the default): an empty cache that grows at each step;
-        `max_length=n`: a fixed buffer of n positions (for XLA).
-        """
-        shape = [batch_size, self.num_heads, max_length, self.key_dim]
-        return tf.zeros(shape, dtype=self.compute_dtype), tf.zeros(shape, dtype=self.compute_dtype)
+    def empty_cache(self, batch_size, max_length):
+        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention."""
+        shape = (batch_size, self.num_heads, max_length, self.key_dim)
+        return ops.zeros(shape, dtype=self.compute_dtype), ops.zeros(shape, dtype=self.compute_dtype)
 
     def compute_cache(self, value, key=None):
         """Projects `key`/`value` `[batch, length, dim]` once, for cross-attention.
@@ -113,33 +103,20 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 use_causal_mask=use_causal_mask,
             )
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
-            output, scores = self._compute_attention(query_heads, key_heads, value_heads, attention_mask, training)
-        elif cache_index is None and query.shape[1] == 1:  # cross-attention, one position per row
-            output, scores = self._attend_source(query, cache, attention_mask, training)
-        else:
-            if cache_index is None:  # cross-attention: keys and values were projected once
-                query_heads = _project(query, self._query_dense)
-                key_heads, value_heads = cache
-            else:  # self-attention: write this step's keys and values into the cache
-                query_heads, new_keys, new_values = self._project_heads(query, value, key)
-                grows = _grows(cache[0])
-                key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys), grows)
-                value_heads = _write_at(cache[1], cache_index, _heads_first(new_values), grows)
-                cache = (key_heads, value_heads)
-                # One new query at the end of a growing cache may attend to all of it: no causal
-                # mask to build (the ops of a mask cost more than its arithmetic at one position).
-                if not (grows and query.shape[1] == 1):
-                    causal = causal_mask(tf.shape(query)[1], tf.shape(key_heads)[2], start=cache_index)
-                    attention_mask = (
-                        causal
-                        if attention_mask is None
-                        else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
-                    )
-            output, scores = self._attend(
-                _heads_first(query_heads), key_heads, value_heads, attention_mask, training
-            )
-            output = _heads_first(output)  # [batch, num_heads, q, d] -> [batch, q, num_heads, d]: its own inverse
-        output = _project_output(output, self._output_dense)
+            key_heads, value_heads = _heads_first(key_heads), _heads_first(value_heads)
+        elif cache_index is None:  # cross-attention: keys and values were projected once
+            query_heads = _project(query, self._query_dense)
+            key_heads, value_heads = cache
+        else:  # self-attention: this call's keys and values written into the buffer
+            query_heads, new_keys, new_values = self._project_heads(query, value, key)
+            key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys))
+            value_heads = _write_at(cache[1], cache_index, _heads_first(new_values))
+            cache = (key_heads, value_heads)
+            causal = causal_mask(ops.shape(query)[1], ops.shape(key_heads)[2], start=cache_index)
+            attention_mask = causal if attention_mask is None else ops.logical_and(
+                ops.cast(attention_mask, "bool"), causal)
+        output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
+        output = _project_output(_heads_first(output), self._output_dense)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
             outputs += (cache,)
@@ -163,8 +140,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         """softmax(Q K^T / sqrt(d_k)) V (paper equation 1) on heads `[batch, length, num_heads, dim]`.
 
         Returns the output `[batch, query_len, num_heads, value_dim]` and the
-        weights `[batch, num_heads, query_len, key_len]`. Batched matrix
-        multiplications over `[batch, num_heads]`; `attention_mask`
+        weights `[batch, num_heads, query_len, key_len]`; `attention_mask`
         `[batch or 1, query_len, key_len]` is True where attention is allowed.
         """
         if not self._is_plain():
@@ -176,45 +152,15 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         )
         return _heads_first(output), scores
 
-    def _attend_source(self, query, cache, attention_mask, training):
-        """Cross-attention of one position per row `query` `[rows, 1, dim]` over a cache of
-        `sentences` sentences, rows = sentences * g (g >= 1 consecutive rows per sentence).
-
-        A sentence's g rows (beam search's hypotheses) read its keys and values
-        through broadcasting, so they are neither repeated per hypothesis in
-        the cache nor transposed at each step. Returns the output
-        `[rows, 1, num_heads, value_dim]` and the weights `[rows, num_heads, 1, source_len]`.
-        """
-        keys, values = cache
-        sentences, source_len = tf.shape(keys)[0], tf.shape(keys)[2]
-        query_heads = tf.reshape(
-            _project(query, self._query_dense), [sentences, -1, self.num_heads, 1, self.key_dim]
-        )
-        mask = None if attention_mask is None else attention_mask[:, None]  # [sentences, 1, 1, source_len]
-        output, scores = self._attend(query_heads, keys[:, None], values[:, None], mask, training)
-        return (
-            tf.reshape(output, [-1, 1, self.num_heads, self.value_dim]),
-            tf.reshape(scores, tf.stack([-1, self.num_heads, 1, source_len])),
-        )
-
     def _attend(self, query, key, value, attention_mask, training):
         """Equation 1 on heads-first tensors: query `[batch, num_heads, query_len, dim]`,
         key and value `[batch, num_heads, key_len, dim]` -> output
         `[batch, num_heads, query_len, value_dim]` and the weights."""
-        query = query * tf.cast(self._inverse_sqrt_key_dim, query.dtype)
-        mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)[:, None]
-        if query.shape[-2] == 1 and not in_xla_context() and not (training and self._dropout > 0.0):
-            return _attend_one_position(query, key, value, mask)
-        scores = tf.matmul(query, key, transpose_b=True)
-        if mask is None:
-            scores = tf.nn.softmax(scores)
-        else:
-            # As Keras' Softmax does: -1e9 before, and exact zeros after, so that
-            # a row with nothing to attend to gets zero weights, not uniform ones.
-            scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
-            scores = tf.where(mask, scores, tf.zeros_like(scores))
-        weights = self._dropout_layer(scores, training=training) if self._dropout > 0.0 else scores
-        return tf.matmul(weights, value), scores
+        query = query * ops.cast(self._inverse_sqrt_key_dim, query.dtype)
+        scores = ops.matmul(query, ops.swapaxes(key, -1, -2))
+        weights = masked_softmax(scores, None if attention_mask is None else ops.cast(attention_mask, "bool")[:, None])
+        dropped = self._dropout_layer(weights, training=training) if self._dropout > 0.0 else weights
+        return ops.matmul(dropped, value), weights
 
     def _is_plain(self):
         """True when the layer uses no option beyond the paper's attention (see the class docstring)."""
@@ -228,33 +174,16 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         )
 
 
-def _attend_one_position(query, key, value, mask):
-    """Equation 1 for one query position (a decoding step), outside XLA.
+def masked_softmax(scores, mask):
+    """softmax over the last axis where `mask` (bool, broadcastable; None: everywhere) allows.
 
-    query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
-    leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
-    The products run on Eigen's batched matmul in float32 (`eigen_batch_matmul`: oneDNN's
-    pays a fixed cost for each of the step's ~100 one-row products); scores, weights and
-    output are rounded to `value`'s dtype where the full pass rounds them. The softmax is
-    written out: oneDNN's softmax kernel costs ~40 us a call on a
-    2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
-    Elementwise products and sums were 3-5x cheaper at batch 1, but a
-    sentence's result then depended on its batch (the cheaper form pays only below a size)
-    and the cached step no longer equalled the full pass token for token.
+    As Keras' Softmax does: `MASKED_SCORE` before, and exact zeros after, so
+    that a row with nothing to attend to gets zero weights, not uniform ones.
     """
-    # Scores and weights are rounded to the layer's dtype, as the full pass's matmuls round them: in
-    # bfloat16, float32 scores and weights made a step differ from the full pass (a greedy output
-    # changed token), and a sentence's score depend on its batch (served in batches of 64 and 16).
-    dtype = value.dtype
-    scores = tf.cast(tf.cast(eigen_batch_matmul(query, key, adjoint_b=True), dtype), tf.float32)
-    if mask is not None:
-        scores = tf.where(mask, scores, -1e9)
-    weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
-    weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
-    if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
-        weights = tf.where(mask, weights, 0.0)
-    weights = tf.cast(weights, dtype)
-    return tf.cast(eigen_batch_matmul(weights, value), dtype), weights
+    if mask is None:
+        return ops.softmax(scores, axis=-1)
+    weights = ops.softmax(ops.where(mask, scores, ops.cast(MASKED_SCORE, scores.dtype)), axis=-1)
+    return ops.where(mask, weights, ops.zeros_like(weights))
 
 
 def _project(x, dense):
@@ -271,76 +200,37 @@ def _project_fused(x, denses):
     `[batch, length, heads, head_dim]` per dense.
     """
     dtype = denses[0].compute_dtype
-    x = tf.cast(x, dtype)
+    x = ops.cast(x, dtype)
     dim = x.shape[-1]
-    kernels = [tf.reshape(weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
-    y = tf.matmul(tf.reshape(x, [-1, dim]), kernels[0] if len(kernels) == 1 else tf.concat(kernels, axis=1))
+    kernels = [ops.reshape(weight(dense.kernel, dtype), (dim, -1)) for dense in denses]
+    y = ops.matmul(ops.reshape(x, (-1, dim)), kernels[0] if len(kernels) == 1 else ops.concatenate(kernels, axis=1))
     if denses[0].bias is not None:
-        biases = [tf.reshape(weight(dense.bias, dtype), [-1]) for dense in denses]
-        y = tf.nn.bias_add(y, biases[0] if len(biases) == 1 else tf.concat(biases, axis=0))
-    outputs = tf.split(y, [kernel.shape[1] for kernel in kernels], axis=1) if len(kernels) > 1 else [y]
-    return [tf.reshape(out, _batch_and_length(x) + list(dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
+        biases = [ops.reshape(weight(dense.bias, dtype), (-1,)) for dense in denses]
+        y = y + (biases[0] if len(biases) == 1 else ops.concatenate(biases, axis=0))
+    widths = [dense.kernel.shape[1] * dense.kernel.shape[2] for dense in denses]
+    outputs = ops.split(y, [sum(widths[:i + 1]) for i in range(len(widths) - 1)], axis=1) if len(denses) > 1 else [y]
+    batch, length = ops.shape(x)[0], ops.shape(x)[1]
+    return [ops.reshape(out, (batch, length, *dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
 
 
 def _project_output(heads, dense):
     """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
     num_heads, head_dim, dim = dense.kernel.shape
-    y = matmul_2d(tf.reshape(heads, [-1, num_heads * head_dim]), dense, num_heads * head_dim)
-    return tf.reshape(y, _batch_and_length(heads) + [dim])
-
-
-def _batch_and_length(x):
-    """The first two axes of `x` as a shape prefix: `[-1, length]` when the length is static (a decoding
-    step: a constant shape, so no shape ops at every step), else both read from `tf.shape(x)`."""
-    if x.shape[1] is not None:
-        return [-1, x.shape[1]]
-    shape = tf.shape(x)
-    return [shape[0], shape[1]]
+    batch, length = ops.shape(heads)[0], ops.shape(heads)[1]
+    y = matmul_2d(ops.reshape(heads, (-1, num_heads * head_dim)), dense, num_heads * head_dim)
+    return ops.reshape(y, (batch, length, dim))
 
 
 def _heads_first(x):
-    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse).
-
-    With a length of 1 (a decoding step) the swap moves no data: a reshape to a
-    constant shape, not a Transpose op.
-    """
-    _, a, b, dim = x.shape
-    if 1 in (a, b) and None not in (a, b, dim):
-        return tf.reshape(x, [-1, b, a, dim])
-    return tf.transpose(x, [0, 2, 1, 3])
+    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse)."""
+    return ops.transpose(x, (0, 2, 1, 3))
 
 
-def _grows(heads):
-    """Whether a self-attention cache grows by each write, decided when the call is traced.
-
-    Yes when its length is unknown outside XLA: the decoding loops'
-    `tf.while_loop` leaves the length of their growing caches free. A cache of
-    known length may be a fixed buffer (`empty_cache(batch, n)`), and under
-    XLA every cache is one: those are written in place.
-    """
-    return heads.shape[2] is None and not in_xla_context()
-
-
-def _write_at(heads, index, update, grows):
+def _write_at(heads, index, update):
     """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, n, key_dim]`
-    written at positions `index ... index + n - 1`; a cache of length `index` grows by n.
-
-    A cache that `grows` (see `_grows`) has length `index`: the write is an append.
-
-    Inside `tf.function(jit_compile=True)` the cache is a fixed buffer and this
-    is XLA's in-place `dynamic_update_slice`. Outside XLA it is a concat of
-    core ops, not `keras.ops.slice_update`, whose TensorFlow kernel is the XLA
-    op `XlaDynamicUpdateSlice`: the stock TF Serving model server will not run
-    that outside XLA. The concat copies the cache, as any write outside XLA
-    does, but a growing cache holds only the positions decoded so far.
-    """
-    update = tf.cast(update, heads.dtype)
-    index = tf.cast(index, tf.int32)
-    if grows:
-        return tf.concat([heads, update], axis=2)
-    if in_xla_context():
-        return keras.ops.slice_update(heads, tf.stack([0, 0, index, 0]), update)
-    return tf.concat([heads[:, :, :index], update, heads[:, :, index + tf.shape(update)[2]:]], axis=2)
+    written at positions `index ... index + n - 1`."""
+    start = (0, 0, ops.cast(index, "int32"), 0)
+    return ops.slice_update(heads, start, ops.cast(update, heads.dtype))
 
 
 def head_size(d_model, num_heads):

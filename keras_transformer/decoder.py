@@ -1,12 +1,12 @@
 """The decoder: a stack of N identical layers (paper section 3.1), or, without cross-attention, a GPT-style one."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
-from keras_transformer.masking import causal_mask, keras_mask
+from keras_transformer.masking import causal_mask, first_mask
 from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
 
 
@@ -82,11 +82,15 @@ class DecoderLayer(TransformerLayerBase):
     `"cross_attention"` key without cross-attention).
 
     Incremental decoding: also pass `self_attention_cache` (keys and values,
-    each `[batch, max_length, num_heads, d_model // num_heads]`, from
+    each `[batch, num_heads, max_length, d_model // num_heads]`, from
     `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
     and, with cross-attention, optionally `cross_attention_cache` (from
     `cross_attention.compute_cache(encoder_output)`); the call then returns
     `(output, updated_self_attention_cache)`.
+
+    Keras masks: inside a functional model Keras passes the mask of `x` (and
+    of `encoder_output`) as `mask` / `x_mask` / `encoder_output_mask`; explicit
+    padding masks come first.
 
     Example:
 
@@ -126,7 +130,7 @@ class DecoderLayer(TransformerLayerBase):
 
     def call(self, x, encoder_output=None, encoder_padding_mask=None, decoder_padding_mask=None,
              self_attention_cache=None, cache_index=None, cross_attention_cache=None, training=None,
-             return_attention_scores=False):
+             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None):
         _check_encoder_inputs(self, encoder_output, encoder_padding_mask, cross_attention_cache)
         if return_attention_scores and self_attention_cache is not None:
             raise ValueError(
@@ -135,11 +139,10 @@ class DecoderLayer(TransformerLayerBase):
             )
         self_mask = None  # with the cache, the causal rule is the cache's; earlier steps are never padding
         if self_attention_cache is None:
-            self_mask = causal_mask(tf.shape(x)[1])
-            if decoder_padding_mask is None:
-                decoder_padding_mask = keras_mask(x)
+            self_mask = causal_mask(ops.shape(x)[1])
+            decoder_padding_mask = first_mask(decoder_padding_mask, x_mask, mask)
             if decoder_padding_mask is not None:
-                self_mask = tf.logical_and(self_mask, decoder_padding_mask[:, None, :])
+                self_mask = ops.logical_and(self_mask, decoder_padding_mask[:, None, :])
 
         x, self_attention_scores, self_attention_cache = self._attention_block(
             self.self_attention, self.self_attention_norm, x, memory=None, mask=self_mask, training=training,
@@ -147,8 +150,7 @@ class DecoderLayer(TransformerLayerBase):
         )
         scores = {"self_attention": self_attention_scores}
         if self.cross_attention is not None:
-            if encoder_padding_mask is None:
-                encoder_padding_mask = keras_mask(encoder_output)
+            encoder_padding_mask = first_mask(encoder_padding_mask, encoder_output_mask)
             cross_mask = None if encoder_padding_mask is None else encoder_padding_mask[:, None, :]
             x, scores["cross_attention"], _ = self._attention_block(
                 self.cross_attention, self.cross_attention_norm, x, memory=encoder_output, mask=cross_mask,
@@ -227,9 +229,8 @@ class Decoder(TransformerStackBase):
         -> `[batch, target_len, d_model]`.
 
     Incremental decoding: one `(keys, values)` pair per layer, each tensor
-    `[batch, num_heads, length, d_k]`: `empty_cache(batch)` (it grows) or
-    `empty_cache(batch, max_length)` (a fixed buffer, for XLA) for
-    self-attention and, with cross-attention,
+    `[batch, num_heads, length, d_k]`: `empty_cache(batch, max_length)` (a
+    buffer of `max_length` positions) for self-attention and, with cross-attention,
     `compute_cross_attention_cache(encoder_output)` (length source_len).
     Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`)
     makes the call return `(output, updated_self_attention_cache)`;
@@ -261,7 +262,7 @@ class Decoder(TransformerStackBase):
     def build(self, x_shape, encoder_output_shape=None):
         self._build_stack(self.decoder_layers, x_shape, encoder_output_shape)
 
-    def empty_cache(self, batch_size, max_length=0):
+    def empty_cache(self, batch_size, max_length):
         """One empty self-attention cache per layer (`MultiHeadAttention.empty_cache`)."""
         return [layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers]
 
@@ -275,12 +276,10 @@ class Decoder(TransformerStackBase):
 
     def call(self, x, encoder_output=None, encoder_padding_mask=None, decoder_padding_mask=None,
              self_attention_cache=None, cache_index=None, cross_attention_cache=None, training=None,
-             return_attention_scores=False):
+             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None):
         _check_encoder_inputs(self, encoder_output, encoder_padding_mask, cross_attention_cache)
-        if encoder_padding_mask is None:
-            encoder_padding_mask = keras_mask(encoder_output)
-        if decoder_padding_mask is None:
-            decoder_padding_mask = keras_mask(x)
+        encoder_padding_mask = first_mask(encoder_padding_mask, encoder_output_mask)
+        decoder_padding_mask = first_mask(decoder_padding_mask, x_mask, mask)
         updated_caches = []
         scores = {"self_attention": []}
         if self.use_cross_attention:

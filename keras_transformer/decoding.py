@@ -1,10 +1,17 @@
-"""Greedy decoding and beam search over the Transformer's key/value cache,
-and greedy generation for a decoder-only (GPT-style) model.
+"""Greedy decoding, beam search and greedy generation over the key/value cache: one loop, three searches.
 
-All are plain TensorFlow (a `tf.while_loop` over one decoder step: the
-Transformer's `decode_step`, or a decoder-only model's embedding, `Decoder`
-and output projection), so they run inside a `tf.function` and export to a
-SavedModel. Padding masks come from the source ids, never from Keras masks.
+Written in `keras.ops`, so they run on the JAX, PyTorch and TensorFlow
+backends and compile (`jax.jit`, `tf.function`). One loop (`search_loop`)
+drives every search; a search supplies its state (a NamedTuple whose first
+field is `index`, the position the decoder reads), its step and its stop
+test, as OpenNMT-tf's `dynamic_decode` takes a decoding strategy and
+keras-hub's samplers plug into one sampling loop. Every shape is fixed before
+the loop: the self-attention cache is a buffer of the most output positions,
+written in place, and every row stays in the batch until the loop ends.
+(The TensorFlow serving engine in `export/` decodes the same searches with
+TensorFlow-only speed-ups: a growing cache, rows that leave the batch.)
+
+Padding masks come from the source ids (pad id 0), never from Keras masks.
 
 Scores are log P(output | source) / lp(output), with the length penalty
 lp(y) = ((5 + |y|) / 6)^alpha (Wu et al., 2016; tensor2tensor), |y| counting
@@ -12,180 +19,150 @@ the end token. Beam search ranks finished hypotheses by it; greedy decoding
 reports the same quantity so the two compare.
 """
 
-from typing import Any, NamedTuple
+import contextlib
+from typing import Any, Callable, NamedTuple
 
-import tensorflow as tf
+import keras
+from keras import ops
 
 from keras_transformer.masking import PAD_ID, padding_mask
-from keras_transformer.tf_internals import in_xla_context
 
 # Default room for the output: source length + 50 tokens (paper section 6.1).
 EXTRA_OUTPUT_LENGTH = 50
 _NEG = -1e9
 
 
-class _GreedyState(NamedTuple):
-    """The greedy loop's state. The fields from `rows` to `cache` are the rows still decoding (all
-    rows under XLA; outside it, finished rows leave, so a step computes only what is still needed);
-    `tokens`, `log_prob_out` and `lengths_out` hold every row of the batch."""
-
-    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
-    rows: tf.Tensor  # [active] each active row's row in the batch
-    last: tf.Tensor  # [active] the token at `cache_index`
-    finished: tf.Tensor  # [active] bool: the end token is out (always False once rows leave)
-    log_prob: tf.Tensor  # [active] log P(output so far)
-    lengths: tf.Tensor  # [active] output tokens, the end token included
-    memory: Any  # (encoder output, source padding mask, output limits) of the active rows
-    cache: Any  # Transformer.init_decoding_cache of the active rows, or {} without the cache
-    tokens: tf.Tensor  # [batch, steps] the output, padding after the end token
-    log_prob_out: tf.Tensor  # [batch] each row's log_prob, as of its last step
-    lengths_out: tf.Tensor  # [batch] each row's length, as of its last step
-
-
-class _BeamState(NamedTuple):
-    """The beam loop's state; every field but `cache_index` has the batch (sentences) first.
-
-    A sentence has k + 1 rows: its k beams, then its greedy hypothesis. The
-    batch is the sentences still searching (all of them under XLA; outside
-    it, a sentence leaves once it is done), except in `best_tokens` and
-    `best_scores`, which hold every sentence of the input.
-    """
-
-    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
-    last: tf.Tensor  # [batch, k + 1] each row's token at `cache_index`
-    alive_tokens: tf.Tensor  # [batch, k, steps] the beams' outputs so far
-    alive_log_prob: tf.Tensor  # [batch, k] their log-probabilities, best first
-    finished_tokens: tf.Tensor  # [batch, k, steps] the best finished hypotheses
-    finished_scores: tf.Tensor  # [batch, k] their scores, best first; _NEG for none
-    num_finished: tf.Tensor  # [batch] how many beams have ended
-    beam_done: tf.Tensor  # [batch] bool: the beams can change nothing more
-    greedy_tokens: tf.Tensor  # [batch, steps] the greedy hypothesis
-    greedy_log_prob: tf.Tensor  # [batch]
-    greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
-    sentences: tf.Tensor  # [batch] each sentence's row in the input batch
-    limits: tf.Tensor  # [batch] each sentence's most output tokens
-    memory: Any  # (encoder output, source mask), one per sentence
-    cache: Any  # init_decoding_cache: self-attention per row [batch * (k + 1)], cross-attention per sentence; or {}
-    best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
-    best_scores: tf.Tensor  # [input batch] its score
-
-
-class _GenerateState(NamedTuple):
-    """The decoder-only generation loop's state; every field but `cache_index` has the batch first."""
-
-    cache_index: tf.Tensor  # scalar: the position of `last`, where the decoder reads it this step
-    last: tf.Tensor  # [batch] the newest token, not read yet
-    finished: tf.Tensor  # [batch] bool: the end token is out
-    log_prob: tf.Tensor  # [batch] log P(tokens so far | prompt)
-    tokens: tf.Tensor  # [batch, max_new_tokens] the tokens so far, `last` included; 0 after the end token
-    cache: Any  # Decoder.empty_cache: one (keys, values) pair per layer
-
-
-class _Candidates(NamedTuple):
-    """The 2k best one-token extensions of a sentence's k beams, best first, each `[batch, 2k, ...]`."""
-
-    log_prob: tf.Tensor  # [batch, 2k]
-    beam: tf.Tensor  # [batch, 2k] the beam it extends
-    token: tf.Tensor  # [batch, 2k] the token it adds
-    tokens: tf.Tensor  # [batch, 2k, steps] its whole output
-    ends: tf.Tensor  # [batch, 2k] bool: the token is the end token
-
-
 def length_penalty(length, alpha):
     """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
-    return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, alpha)
+    return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
+
+
+def output_bound(model, source_length, max_length=None):
+    """The most output tokens (end token included) for a source of `source_length` real tokens.
+
+    Source length + `EXTRA_OUTPUT_LENGTH`, or `max_length` when given; never
+    past a learned position table (output i is read from decoder position i);
+    at least 1. `source_length` may be a Python int (the result is then one:
+    a shape known when the search compiles) or an int tensor `[batch]`.
+    """
+    bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else max_length
+    if model.learned_positions:
+        bound = _minimum(bound, model.max_length)
+    return max(bound, 1) if isinstance(bound, int) else ops.maximum(bound, 1)
+
+
+def _minimum(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else ops.minimum(a, b)
+
+
+def _no_gradient():
+    """A context in which the backend records no gradient: a search has none. On PyTorch, autograd
+    would otherwise keep every step of the loop (and hand back tensors that require grad); JAX and
+    TensorFlow record only inside a gradient transform or tape, which a search is not called in."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def search_loop(search, state, steps):
+    """`state` after `search.step` has run while `state.index < steps` and not `search.done(state)`.
+
+    `state` is a NamedTuple whose fields are tensors (or nests of them, the
+    cache) of fixed shapes and dtypes, the scalar `index` first; `steps` is
+    the loop's bound on `index`. One `keras.ops.while_loop`: `jax.lax.while_loop`
+    on JAX, `tf.while_loop` on TensorFlow, a Python loop on PyTorch.
+    """
+    fields = type(state)
+
+    def not_done(*values):
+        state = fields(*values)
+        return ops.logical_and(state.index < steps, ops.logical_not(search.done(state)))
+
+    def step(*values):
+        return tuple(search.step(fields(*values)))
+
+    return fields(*ops.while_loop(not_done, step, tuple(state)))
+
+
+# A decoder step: (last tokens [rows], index, outputs [rows, steps], cache) -> (logits [rows, vocab], cache).
+NextLogits = Callable[[Any, Any, Any, Any], Any]
+
+
+def cached_decoder(model, encoder_output, source_mask, steps, rows=1):
+    """`(cache, next_logits)`: the model's decoder over its key/value cache, one position a call.
+
+    `rows` hypotheses per sentence (beam search's k + 1), sentence-major: the
+    encoder output and its mask are repeated per row, and the self-attention
+    cache has `steps` positions per row. `next_logits` ignores `outputs` (the
+    cache holds what it needs of them).
+    """
+    if rows > 1:
+        encoder_output, source_mask = (ops.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
+    cache = model.init_decoding_cache(encoder_output, steps)
+
+    def next_logits(last, index, outputs, cache):
+        return model.decode_step(last, index, encoder_output, source_mask, cache)
+
+    return cache, next_logits
+
+
+class _Prepared(NamedTuple):
+    """A batch of sources, encoded once for any search."""
+
+    encoder_output: Any  # [batch, source_len, d_model]
+    source_mask: Any  # [batch, source_len] bool
+    limits: Any  # [batch] int32: each sentence's most output tokens
+    steps: Any  # the loop's bound: the largest limit any sentence of this source length may have
 
 
 def _prepare(model, source_ids, max_length):
-    """Encoder output, padding mask and per-sentence output limits `[batch]`."""
-    source_ids = tf.convert_to_tensor(source_ids)
-    if source_ids.shape.rank != 2:
+    """Encoder output, padding mask, per-sentence output limits `[batch]` and the loop's bound."""
+    source_ids = ops.convert_to_tensor(source_ids)
+    if len(source_ids.shape) != 2:
         raise ValueError(f"Decoding expects source_ids of shape [batch, source_len], got shape {source_ids.shape}.")
-    source_ids = tf.cast(source_ids, tf.int32)
+    source_ids = ops.cast(source_ids, "int32")
     source_mask = padding_mask(source_ids)
-
-    def output_bound(source_length):
-        """Most output tokens for a source of `source_length`: + 50, or `max_length`; at least 1."""
-        bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else tf.cast(max_length, tf.int32)
-        if model.learned_positions:
-            # Output i is read from decoder position i, and a learned table has max_length positions.
-            bound = tf.minimum(bound, model.max_length)
-        return tf.maximum(bound, 1)
-
     # Per sentence, so a sentence decodes the same alone or in any batch.
-    limits = tf.broadcast_to(output_bound(tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)),
-                             [tf.shape(source_ids)[0]])
-    if in_xla_context():
-        # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
-        # from the data, and buffers sized by it made the compiled loop 8x slower (greedy, batch 64).
-        steps = output_bound(tf.shape(source_ids)[1])
-    else:
-        steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
-    return model.encode(source_ids, training=False), source_mask, limits, steps
+    limits = output_bound(model, ops.sum(ops.cast(source_mask, "int32"), axis=1), max_length)
+    limits = ops.broadcast_to(ops.cast(limits, "int32"), ops.shape(source_ids)[:1])
+    # From the padded length: a bound known when the search compiles, so every buffer has a fixed shape.
+    length = source_ids.shape[1] if source_ids.shape[1] is not None else ops.shape(source_ids)[1]
+    steps = output_bound(model, length, max_length)
+    return _Prepared(model.encode(source_ids, training=False), source_mask, limits, steps)
+
+
+# ------------------------------------------------------------ next tokens
 
 
 class _NextTokens(NamedTuple):
     """Each row's most likely next tokens, best first, each `[rows, n]`."""
 
-    log_prob: tf.Tensor  # log P(token | the row so far): log-softmax over the whole vocabulary
-    token: tf.Tensor
+    log_prob: Any  # log P(token | the row so far): log-softmax over the whole vocabulary
+    token: Any
 
 
-def _block_length(vocab_size, n):
-    """The block length `_top_k` splits a row of `vocab_size` logits into, for its `n` largest.
-
-    A divisor d of the vocabulary size, so the row reshapes into blocks
-    without a copy, with the fewest elements for the two small top_k's
-    (vocab / d block maxima, then n blocks of d); None where no divisor
-    halves the elements of a top_k over the whole row (a prime size).
-    """
-    if vocab_size is None:
-        return None
-    cost = {d: vocab_size // d + n * d for d in range(2, vocab_size // n + 1) if vocab_size % d == 0}
-    best = min(cost, key=cost.get, default=None)
-    return best if best is not None and cost[best] < vocab_size // 2 else None
-
-
-def _top_k(values, n):
-    """`tf.math.top_k(values, n)` of `[rows, vocab]`: the n largest of each row and their ids, best
-    first, ties to the lower id.
-
-    TF's CPU TopK costs ~3 ns per element whatever n is: 8.5 ms a step over
-    [320, 8000] (beam 4 at batch 64, Multi30k's vocabulary). The n largest
-    lie in the n blocks with the largest maxima, so top_k runs over the block
-    maxima, then over those n blocks only: 2.0-2.5 ms, and exact.
-    """
-    block = _block_length(values.shape[-1], n)
-    if block is None:
-        return tf.math.top_k(values, n)
-    rows, num_blocks = tf.shape(values)[0], values.shape[-1] // block
-    blocks = tf.reshape(values, [rows, num_blocks, block])
-    _, best_blocks = tf.math.top_k(tf.reduce_max(blocks, axis=-1), n)
-    best_blocks = tf.sort(best_blocks, axis=-1)  # in id order, so ties still go to the lower id
-    top, index = tf.math.top_k(tf.reshape(tf.gather(blocks, best_blocks, batch_dims=1), [rows, n * block]), n)
-    return top, tf.gather(best_blocks, index // block, batch_dims=1) * block + index % block
+def _padding_bias(vocab_size):
+    """`[vocab]`: _NEG at the padding id, 0 elsewhere."""
+    return ops.where(ops.arange(vocab_size) == PAD_ID, _NEG, 0.0)
 
 
 def _most_likely_token(logits, at_limit, end_id):
-    """Each row's most likely next token (`_NextTokens` `[rows, 1]`) from float32 logits `[rows, vocab]`.
+    """Each row's most likely next token (`_NextTokens` `[rows]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool, or None for no
     limits) a row may only end. Its log-probability is the log-softmax over
-    the whole vocabulary. The bans cost a pass over [rows, vocab] for the
-    padding column and none for the limit, where a mask of every banned
-    token cost three.
+    the whole vocabulary.
     """
-    log_probs = tf.nn.log_softmax(logits, axis=-1)
-    token = tf.argmax(log_probs + _padding_bias(logits), axis=-1, output_type=tf.int32)
+    log_probs = ops.log_softmax(logits, axis=-1)
+    token = ops.cast(ops.argmax(log_probs + _padding_bias(ops.shape(logits)[-1]), axis=-1), "int32")
     if at_limit is not None:
-        token = tf.where(at_limit, end_id, token)
-    return _NextTokens(tf.gather(log_probs, token, batch_dims=1)[:, None], token[:, None])
-
-
-def _padding_bias(logits):
-    """`[vocab]` for logits `[rows, vocab]`: _NEG at the padding id, 0 elsewhere (a constant if vocab is static)."""
-    vocab_size = logits.shape[-1] if logits.shape[-1] is not None else tf.shape(logits)[-1]
-    return tf.one_hot(PAD_ID, vocab_size, on_value=_NEG, off_value=0.0)
+        token = ops.where(at_limit, ops.cast(end_id, "int32"), token)
+    return _NextTokens(ops.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], token)
 
 
 def _next_tokens(logits, at_limit, end_id, n):
@@ -193,106 +170,89 @@ def _next_tokens(logits, at_limit, end_id, n):
 
     Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
     `end_id`, then `_NEG` entries. Log-probabilities are the log-softmax over
-    the whole vocabulary. Only the log-softmax and the top-k pass over
-    [rows, vocab]; the bans are applied to the n + 1 best.
+    the whole vocabulary.
     """
     n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
-    log_probs = tf.nn.log_softmax(logits, axis=-1)
-    top, tokens = _top_k(log_probs, n + 1)  # one more: padding may be among them
-    log_prob, keep = tf.math.top_k(tf.where(tokens == PAD_ID, _NEG, top), n)
-    first = tf.range(n) == 0
-    end_log_prob = tf.gather(log_probs, end_id, axis=1)
+    log_probs = ops.log_softmax(logits, axis=-1)
+    top, tokens = ops.top_k(log_probs, n + 1)  # one more: padding may be among them
+    tokens = ops.cast(tokens, "int32")
+    log_prob, keep = ops.top_k(ops.where(tokens == PAD_ID, _NEG, top), n)
+    first = ops.arange(n) == 0
+    end_log_prob = log_probs[:, end_id]
     return _NextTokens(
-        log_prob=tf.where(at_limit[:, None], tf.where(first, end_log_prob[:, None], _NEG), log_prob),
-        token=tf.where(at_limit[:, None], tf.where(first, end_id, PAD_ID), tf.gather(tokens, keep, batch_dims=1)),
+        log_prob=ops.where(at_limit[:, None], ops.where(first, end_log_prob[:, None], _NEG), log_prob),
+        token=ops.where(at_limit[:, None], ops.where(first, end_id, PAD_ID),
+                        ops.take_along_axis(tokens, ops.cast(keep, "int32"), axis=1)),
     )
-
-
-def _next_logits_fn(model, start_id, use_cache):
-    """`(cache_index, last [rows], outputs [rows, steps], cache, encoder_output, source_mask)
-    -> (logits [rows, vocab], cache)`.
-
-    With the cache, one decoder step for the token at position `cache_index`.
-    Without it, the whole prefix again (start id + outputs so far), as
-    decoding is defined: the slow reference the cache must equal.
-    """
-    if use_cache:
-        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
-            return model.decode_step(last, cache_index, encoder_output, source_mask, cache)
-    else:
-        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
-            start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
-            prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
-            # The sentence's memory once per row (beam search keeps one per sentence).
-            rows = tf.shape(outputs)[0] // tf.shape(encoder_output)[0]
-            encoder_output, source_mask = (tf.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
-            return model.decode(prefix, encoder_output, source_mask)[:, cache_index], cache
-    return next_logits
-
-
-def _greedy_step(best, cache_index, tokens, log_prob, done, end_id):
-    """A greedy hypothesis grows by its most likely token (`best`, `_NextTokens`; PAD, log-probability 0, once done).
-
-    Returns the token `[rows]`, the tokens with it written at `cache_index`,
-    the new log-probability, and whether the token ends the hypothesis.
-    """
-    token, token_log_prob = tf.where(done, PAD_ID, best.token[:, 0]), tf.where(done, 0.0, best.log_prob[:, 0])
-    tokens = None if tokens is None else _write_column(tokens, cache_index, token)
-    return token, tokens, log_prob + token_log_prob, tf.equal(token, end_id)
 
 
 def _write_column(tokens, position, column):
     """tokens `[..., steps]` with `position` set to `column` `[...]`."""
-    return tf.where(tf.range(tf.shape(tokens)[-1]) == position, column[..., None], tokens)
+    return ops.where(ops.arange(ops.shape(tokens)[-1]) == position, column[..., None], tokens)
 
 
-def _first(n, size):
-    """bool `[size]`, True at the first `n` positions."""
-    return tf.range(size) < n
+# ------------------------------------------------------------------ greedy
 
 
-def _cache_length(steps):
-    """Positions to allocate in the self-attention cache for `steps` decoding steps.
+class _GreedyState(NamedTuple):
+    """The greedy loop's state; every field but `index` has the batch first."""
 
-    Outside XLA, none: the cache grows at each step, so a step copies, reads
-    and (in beam search) reorders only what is decoded so far, not room for
-    the longest possible output (source length + 50, when outputs average 16
-    tokens on Multi30k). XLA needs fixed shapes: the whole buffer.
-    """
-    return steps if in_xla_context() else 0
+    index: Any  # scalar int32: the position the decoder reads this step (of `last`)
+    last: Any  # [batch] the newest token, not read yet
+    finished: Any  # [batch] bool: the end token is out
+    log_prob: Any  # [batch] log P(output so far)
+    lengths: Any  # [batch] output tokens, the end token included
+    tokens: Any  # [batch, columns] the output so far; 0 after the end token
+    cache: Any  # the decoder's cache
 
 
-def _while_loop(cond, body, state):
-    """`tf.while_loop` over a `NamedTuple` state with a free batch size.
+class _Greedy(NamedTuple):
+    """Greedy search: each row grows by its most likely token (never padding; at its limit, only the end).
 
-    `cond` and `body` take the state; the batch is the first axis of every
-    field but the scalar `cache_index`, and static sizes elsewhere are kept,
-    except the cache's length axis (`[batch, num_heads, length, key_dim]`),
-    which grows outside XLA.
+    The decoder reads position `index`; its token goes to output column
+    `index - offset` (0 for a translation, prompt length - 1 for generation).
     """
 
-    def free_batch(x):
-        return tf.TensorShape([None] + x.shape.as_list()[1:])
+    next_logits: NextLogits
+    end_id: int
+    limits: Any = None  # [batch] most output tokens per row, or None
+    offset: Any = 0
 
-    def free_length(x):
-        return tf.TensorShape([None, x.shape[1], None, x.shape[3]])
+    def step(self, state):
+        logits, cache = self.next_logits(state.last, state.index, state.tokens, state.cache)
+        return self.choose(state._replace(cache=cache), logits, state.index - self.offset)._replace(
+            index=state.index + 1)
 
-    invariants = tf.nest.map_structure(free_batch, state)._replace(
-        cache_index=tf.TensorShape([]), cache=tf.nest.map_structure(free_length, state.cache)
+    def choose(self, state, logits, column):
+        """`state` with every unfinished row's most likely token from `logits` `[batch, vocab]` at `column`."""
+        at_limit = None if self.limits is None else column + 1 >= self.limits
+        best = _most_likely_token(ops.cast(logits, "float32"), at_limit, self.end_id)
+        token = ops.where(state.finished, PAD_ID, best.token)
+        return state._replace(
+            last=token,
+            finished=state.finished | (token == self.end_id),
+            log_prob=state.log_prob + ops.where(state.finished, 0.0, best.log_prob),
+            lengths=state.lengths + ops.cast(ops.logical_not(state.finished), "int32"),
+            tokens=_write_column(state.tokens, column, token),
+        )
+
+    def done(self, state):
+        return ops.all(state.finished)
+
+
+def _greedy_state(batch_size, columns, first_token, cache, index=0):
+    return _GreedyState(
+        index=ops.convert_to_tensor(index, "int32"),
+        last=ops.full((batch_size,), first_token, "int32"),
+        finished=ops.zeros((batch_size,), "bool"),
+        log_prob=ops.zeros((batch_size,), "float32"),
+        lengths=ops.zeros((batch_size,), "int32"),
+        tokens=ops.zeros((batch_size, columns), "int32"),
+        cache=cache,
     )
-    fields = type(state)
-    return tf.while_loop(
-        lambda *s: cond(fields(*s)), lambda *s: body(fields(*s)), state, shape_invariants=invariants
-    )
 
 
-def _trim(tokens):
-    """Drop the all-padding columns at the end of `[batch, steps]` tokens."""
-    length = tf.reduce_max(tf.concat([tf.reduce_sum(tf.cast(tokens != PAD_ID, tf.int32), axis=-1), [0]], 0))
-    return tokens[:, :length]
-
-
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True):
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6):
     """Batched greedy decoding with the key/value cache.
 
     Args:
@@ -303,146 +263,252 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
             sentence gets its own source length + 50. Never more than the
             model's `max_length` with learned positions (its table ends there).
         alpha: length-penalty exponent for the reported score.
-        use_cache: False recomputes the whole prefix every step (same tokens,
-            slower; for checks and benchmarks).
 
     Returns:
-        tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at
-            the limit) and padded with 0 after it; no start token.
+        tokens: int32 `[batch, steps]`, ending with `end_id` (unless cut at
+            the limit) and padded with 0 after it; no start token. `steps` is
+            the loop's bound, source_len + 50 by default (fixed shapes, so the
+            search compiles): trim the all-zero columns at the end if you like.
         scores: float32 `[batch]`, log-probability / length penalty.
 
-    Wrap the call in `tf.function` for speed.
+    Compile it for speed, e.g. `jax.jit(lambda ids: greedy_decode(model, ids, 2, 3))`
+    on JAX or `tf.function(...)` on TensorFlow.
     """
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
-    batch_size = tf.shape(encoder_output)[0]
-    next_logits = _next_logits_fn(model, start_id, use_cache)
-    # Finished rows leave the batch: about a third of a sorted batch's row-steps were spent on
-    # rows already done (Multi30k, batches of 64). XLA needs fixed shapes, so there every row stays.
-    compact = not in_xla_context()
+    with _no_gradient():
+        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder)
 
-    def step(state):
-        encoder_output, source_mask, limits = state.memory
-        outputs = tf.gather(state.tokens, state.rows) if not use_cache else None
-        logits, cache = next_logits(state.cache_index, state.last, outputs, state.cache, encoder_output, source_mask)
-        best = _most_likely_token(logits, state.cache_index + 1 >= limits, end_id)
-        token, _, log_prob, ends = _greedy_step(
-            best, state.cache_index, None, state.log_prob, state.finished, end_id
+
+def _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, decoder):
+    """`greedy_decode` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
+    prepared = _prepare(model, source_ids, max_length)
+    batch_size = ops.shape(prepared.encoder_output)[0]
+    cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, prepared.steps)
+    search = _Greedy(next_logits, end_id, prepared.limits)
+    state = search_loop(search, _greedy_state(batch_size, prepared.steps, start_id, cache), prepared.steps)
+    return state.tokens, state.log_prob / length_penalty(state.lengths, alpha)
+
+
+def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_tokens, end_id=None):
+    """Greedy continuation of prompts by a decoder-only (GPT-style) model, with the key/value cache.
+
+    The model is `output_projection(decoder(embedding(ids)))`, the functional
+    language model of the README: the prompt runs through the decoder once,
+    filling the self-attention cache, then each new token is one cached step
+    (its keys and values written at its position), and the most likely next
+    token is appended. Never the pad id 0: the model's full pass masks it out.
+
+    Args:
+        embedding: `PositionalEmbedding` (or a layer called as
+            `embedding(ids [batch, n], start_index=position)` -> `[batch, n, d_model]`).
+        decoder: a `Decoder(..., use_cross_attention=False)`.
+        output_projection: hidden states `[batch, n, d_model]` -> logits
+            `[batch, n, vocab]`: a `keras.layers.Dense`, or for a projection
+            tied to the embedding e.g.
+            `lambda h: keras.ops.matmul(h, keras.ops.transpose(embedding.token_embedding.embeddings))`.
+        prompt_ids: int `[batch, prompt_len]`, prompt_len >= 1 and known when
+            the call is traced. Every prompt has the same length and no
+            padding (id 0): the cache takes each earlier position for a real token.
+        max_new_tokens: how many tokens to generate (a Python int >= 1).
+        end_id: optional; a row that produces it stops there (0 after it).
+            The loop ends early once every row has.
+
+    Returns:
+        tokens: int32 `[batch, max_new_tokens]`, the continuation only (no
+            prompt), padded with 0 after `end_id`.
+        log_prob: float32 `[batch]`, log P(tokens | prompt) under the model.
+
+    Compile it for speed, e.g. `jax.jit(lambda ids: greedy_generate(embedding, decoder, dense, ids, 100))`.
+    """
+    prompt_ids = ops.convert_to_tensor(prompt_ids)
+    if len(prompt_ids.shape) != 2:
+        raise ValueError(f"greedy_generate expects prompt_ids of shape [batch, prompt_len], got {prompt_ids.shape}.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"greedy_generate needs max_new_tokens, a Python int >= 1, got {max_new_tokens!r}.")
+    prompt_ids = ops.cast(prompt_ids, "int32")
+    batch_size, prompt_length = ops.shape(prompt_ids)[0], prompt_ids.shape[1]
+    if prompt_length is None:
+        raise ValueError("greedy_generate needs the prompt length known when it is traced (a fixed-size cache).")
+    end_id = -1 if end_id is None else end_id  # -1: no token ends a row
+
+    def next_logits(token_ids, index, outputs, cache):
+        """Tokens `[batch, n]` at positions from `index` -> the logits after the last one `[batch, vocab]`."""
+        if len(token_ids.shape) == 1:
+            token_ids = token_ids[:, None]
+        x = embedding(token_ids, start_index=index, training=False)
+        x, cache = decoder(x, self_attention_cache=cache, cache_index=index, training=False)
+        return output_projection(x[:, -1:])[:, 0], cache
+
+    # The whole prompt in one pass; the last generated token is never read, hence the - 1.
+    steps = prompt_length + max_new_tokens - 1
+    search = _Greedy(next_logits, end_id, offset=prompt_length - 1)
+    with _no_gradient():
+        state = _greedy_state(batch_size, max_new_tokens, PAD_ID, decoder.empty_cache(batch_size, steps),
+                              index=prompt_length)
+        logits, cache = next_logits(prompt_ids, 0, state.tokens, state.cache)
+        state = search.choose(state._replace(cache=cache), logits, 0)
+        state = search_loop(search, state, steps)
+    return state.tokens, state.log_prob
+
+
+# -------------------------------------------------------------------- beam
+
+
+class _BeamState(NamedTuple):
+    """The beam loop's state; every field but `index` has the batch (sentences) first.
+
+    A sentence has k + 1 rows: its k beams, then its greedy hypothesis.
+    """
+
+    index: Any  # scalar int32: the position the decoder reads this step (0: the start token)
+    last: Any  # [batch, k + 1] each row's token at `index`
+    alive_tokens: Any  # [batch, k, steps] the beams' outputs so far
+    alive_log_prob: Any  # [batch, k] their log-probabilities, best first
+    finished_tokens: Any  # [batch, k, steps] the best finished hypotheses
+    finished_scores: Any  # [batch, k] their scores, best first; _NEG for none
+    num_finished: Any  # [batch] how many beams have ended
+    beam_done: Any  # [batch] bool: the beams can change nothing more
+    greedy_tokens: Any  # [batch, steps] the greedy hypothesis
+    greedy_log_prob: Any  # [batch]
+    greedy_done: Any  # [batch] bool: it has ended, or cannot win any more
+    cache: Any  # the decoder's cache, one row per hypothesis [batch * (k + 1), ...]
+
+
+class _Candidates(NamedTuple):
+    """The 2k best one-token extensions of a sentence's k beams, best first, each `[batch, 2k, ...]`."""
+
+    log_prob: Any  # [batch, 2k]
+    beam: Any  # [batch, 2k] the beam it extends
+    token: Any  # [batch, 2k] the token it adds
+    tokens: Any  # [batch, 2k, steps] its whole output
+    ends: Any  # [batch, 2k] bool: the token is the end token
+
+
+class _Beam(NamedTuple):
+    """Beam search of `k` hypotheses per sentence, plus the sentence's greedy hypothesis as one more row."""
+
+    next_logits: NextLogits
+    end_id: int
+    k: int
+    alpha: float
+    limits: Any  # [batch] most output tokens per sentence
+
+    def step(self, state):
+        k, rows, index = self.k, self.k + 1, state.index
+        # Explicit sizes, no -1: a reshape cannot infer an axis of an empty batch.
+        batch_size, steps = ops.shape(state.last)[0], ops.shape(state.greedy_tokens)[1]
+        outputs = ops.reshape(ops.concatenate([state.alive_tokens, state.greedy_tokens[:, None]], axis=1),
+                              (batch_size * rows, steps))
+        logits, cache = self.next_logits(ops.reshape(state.last, (-1,)), index, outputs, state.cache)
+        at_limit = ops.repeat(index + 1 >= self.limits, rows, axis=0)
+        best = _next_tokens(ops.cast(logits, "float32"), at_limit, self.end_id, 2 * k)
+        best = _NextTokens(*(ops.reshape(x, (batch_size, rows, x.shape[-1])) for x in best))
+
+        greedy = _NextTokens(best.log_prob[:, k, 0], best.token[:, k, 0])
+        greedy_token = ops.where(state.greedy_done, PAD_ID, greedy.token)
+        greedy_log_prob = state.greedy_log_prob + ops.where(state.greedy_done, 0.0, greedy.log_prob)
+        greedy_tokens = _write_column(state.greedy_tokens, index, greedy_token)
+        greedy_ends = greedy_token == self.end_id
+
+        candidates = self._candidates(state, _NextTokens(best.log_prob[:, :k], best.token[:, :k]))
+        finished_tokens, finished_scores, num_finished = self._finish(
+            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(index + 1, self.alpha))
+        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
+        source_row = ops.concatenate([alive_beam, ops.full((batch_size, 1), k, "int32")], axis=1)
+        return self._stop_early(state._replace(
+            index=index + 1,
+            last=ops.concatenate([alive_token, greedy_token[:, None]], axis=1),
+            alive_tokens=alive_tokens,
+            alive_log_prob=alive_log_prob,
+            finished_tokens=finished_tokens,
+            finished_scores=finished_scores,
+            num_finished=num_finished,
+            beam_done=state.beam_done | (num_finished >= k) | (index + 1 >= self.limits),
+            greedy_tokens=greedy_tokens,
+            greedy_log_prob=greedy_log_prob,
+            greedy_done=state.greedy_done | greedy_ends,
+            cache=_reorder_rows(cache, source_row),
+        ))
+
+    def _candidates(self, state, best):
+        """Every alive beam `[batch, k]` extended by its best tokens (`best` `[batch, k, n]`): the best 2k.
+
+        2k, so that k remain alive even if k of them end. A beam's 2k best
+        tokens are all its candidates that can be among them.
+        """
+        batch_size, n, steps = ops.shape(state.last)[0], best.token.shape[-1], ops.shape(state.alive_tokens)[-1]
+        log_prob, index = ops.top_k(
+            ops.reshape(state.alive_log_prob[:, :, None] + best.log_prob, (batch_size, self.k * n)), 2 * self.k)
+        index = ops.cast(index, "int32")
+        beam = index // n
+        token = ops.take_along_axis(ops.reshape(best.token, (batch_size, self.k * n)), index, axis=1)
+        tokens = ops.take_along_axis(state.alive_tokens, ops.broadcast_to(beam[:, :, None], (batch_size, 2 * self.k,
+                                                                                             steps)), axis=1)
+        return _Candidates(log_prob, beam, token, _write_column(tokens, state.index, token), token == self.end_id)
+
+    def _finish(self, state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty):
+        """The best k finished hypotheses once the ending candidates among the best k, and a
+        greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
+
+        Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
+        the sentences' counts of finished beams `[batch]`.
+        """
+        k = self.k
+        newly_finished = (candidates.ends & (ops.arange(2 * k) < k)[None] & ops.logical_not(state.beam_done)[:, None]
+                          & (candidates.log_prob > _NEG / 2))
+        new_scores = ops.where(newly_finished, candidates.log_prob / penalty, _NEG)
+        greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+        scores, best = ops.top_k(ops.concatenate([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
+        pool = ops.concatenate([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1)
+        best = ops.broadcast_to(ops.cast(best, "int32")[:, :, None], (ops.shape(pool)[0], k, ops.shape(pool)[2]))
+        num_finished = state.num_finished + ops.sum(ops.cast(newly_finished, "int32"), axis=1)
+        return ops.take_along_axis(pool, best, axis=1), scores, num_finished
+
+    def _stop_early(self, state):
+        """`state` with its beams, and greedy hypotheses, done where they can no longer win.
+
+        A log-probability only falls as a hypothesis grows, so its best possible
+        score is now over the largest penalty it can still reach (it has
+        `index` tokens now, its limit at most). The result is unchanged; the
+        loop just ends sooner.
+        """
+        largest_penalty = ops.maximum(length_penalty(state.index, self.alpha), length_penalty(self.limits, self.alpha))
+        best_finished = state.finished_scores[:, 0]
+        return state._replace(
+            beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
+            greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
         )
-        lengths = state.lengths + tf.cast(~state.finished, tf.int32)
-        at = tf.stack([state.rows, tf.fill(tf.shape(state.rows), state.cache_index)], axis=1)
-        state = state._replace(
-            cache_index=state.cache_index + 1,
-            last=token,
-            finished=state.finished | ends,
-            log_prob=log_prob,
-            lengths=lengths,
-            cache=cache,
-            tokens=tf.tensor_scatter_nd_update(state.tokens, at, token),
-            log_prob_out=tf.tensor_scatter_nd_update(state.log_prob_out, state.rows[:, None], log_prob),
-            lengths_out=tf.tensor_scatter_nd_update(state.lengths_out, state.rows[:, None], lengths),
-        )
-        if not compact:
-            return state
-        return tf.cond(tf.reduce_any(ends), lambda: _drop_finished(state), lambda: state)
 
-    def not_done(state):
-        return tf.logical_and(state.cache_index < steps, tf.logical_not(tf.reduce_all(state.finished)))
-
-    state = _GreedyState(
-        cache_index=tf.constant(0),
-        rows=tf.range(batch_size),
-        last=tf.fill([batch_size], tf.cast(start_id, tf.int32)),
-        finished=tf.zeros([batch_size], tf.bool),
-        log_prob=tf.zeros([batch_size], tf.float32),
-        lengths=tf.zeros([batch_size], tf.int32),
-        memory=(encoder_output, source_mask, limits),
-        cache=model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {},
-        tokens=tf.zeros([batch_size, steps], tf.int32),
-        log_prob_out=tf.zeros([batch_size], tf.float32),
-        lengths_out=tf.zeros([batch_size], tf.int32),
-    )
-    state = _while_loop(not_done, step, state)
-    return _trim(state.tokens), state.log_prob_out / length_penalty(state.lengths_out, alpha)
-
-
-def _drop_finished(state):
-    """The greedy state without its finished rows (their results are in the batch-wide fields)."""
-    keep = tf.reshape(tf.where(~state.finished), [-1])
-    return _gather_fields(state, keep, ("rows", "last", "finished", "log_prob", "lengths", "memory", "cache"))
-
-
-def _beam_candidates(alive_log_prob, best, alive_tokens, cache_index, end_id, k):
-    """Every alive beam `[batch, k]` extended by its best tokens (`best`: `_NextTokens` `[batch, k, n]`): the best 2k.
-
-    2k, so that k remain alive even if k of them end. A beam's 2k best
-    tokens are all its candidates that can be among them.
-    """
-    batch_size, n = tf.shape(alive_log_prob)[0], tf.shape(best.token)[-1]
-    log_prob, index = tf.math.top_k(tf.reshape(alive_log_prob[:, :, None] + best.log_prob, [batch_size, -1]), 2 * k)
-    beam, token = index // n, tf.gather(tf.reshape(best.token, [batch_size, -1]), index, batch_dims=1)
-    tokens = _write_column(tf.gather(alive_tokens, beam, batch_dims=1), cache_index, token)
-    return _Candidates(log_prob, beam, token, tokens, tf.equal(token, end_id))
-
-
-def _finish(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k):
-    """The best k finished hypotheses once the ending candidates among the best k, and a
-    greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
-
-    Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
-    the sentences' counts of finished beams `[batch]`.
-    """
-    # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
-    # runs a top_k as its fast TopK kernel only if no slice is taken of the result
-    # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
-    # The k extra candidates score _NEG after the finished ones, so no choice changes.
-    newly_finished = (
-        candidates.ends & _first(k, 2 * k) & ~state.beam_done[:, None] & (candidates.log_prob > _NEG / 2)
-    )
-    new_scores = tf.where(newly_finished, candidates.log_prob / penalty, _NEG)
-    greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
-    scores, best = tf.math.top_k(tf.concat([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
-    tokens = tf.gather(
-        tf.concat([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
-    )
-    return tokens, scores, state.num_finished + tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
+    def done(self, state):
+        return ops.all(state.beam_done & state.greedy_done)
 
 
 def _keep_alive(candidates, k):
     """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
     `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
-    log_prob, keep = tf.math.top_k(tf.where(candidates.ends, _NEG, candidates.log_prob), k)
-    kept = [tf.gather(values, keep, batch_dims=1) for values in (candidates.tokens, candidates.beam, candidates.token)]
-    return (log_prob, *kept)
+    log_prob, keep = ops.top_k(ops.where(candidates.ends, _NEG, candidates.log_prob), k)
+    keep = ops.cast(keep, "int32")
+    batch_size, steps = ops.shape(candidates.tokens)[0], ops.shape(candidates.tokens)[2]
+    tokens = ops.take_along_axis(candidates.tokens, ops.broadcast_to(keep[:, :, None], (batch_size, k, steps)), axis=1)
+    beam, token = (ops.take_along_axis(values, keep, axis=1) for values in (candidates.beam, candidates.token))
+    return log_prob, tokens, beam, token
 
 
-def _reorder_cache(cache, source_row):
-    """Each row takes the self-attention keys/values of row `source_row` `[batch, rows]` of its sentence."""
-    batch_size, rows = tf.shape(source_row)[0], tf.shape(source_row)[1]
-    reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
+def _reorder_rows(cache, source_row):
+    """Each hypothesis row takes the cache of row `source_row` `[batch, rows]` of its sentence.
+
+    The cross-attention cache is the same for every row of a sentence: nothing to reorder.
+    """
+    batch_size, rows = ops.shape(source_row)[0], ops.shape(source_row)[1]
+    reorder = ops.reshape(ops.arange(batch_size, dtype="int32")[:, None] * rows + source_row, (-1,))
+    if not cache:  # a decoder without a cache (a full pass each step)
+        return cache
     return {
-        "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
-        # Identical for every row of a sentence: nothing to reorder.
+        "self_attention": keras.tree.map_structure(lambda c: ops.take(c, reorder, axis=0), cache["self_attention"]),
         "cross_attention": cache["cross_attention"],
     }
 
 
-def _stop_early(state, alpha):
-    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
-
-    A log-probability only falls as a hypothesis grows, so its best possible
-    score is now over the largest penalty it can still reach (it has
-    `cache_index` tokens now, its limit at most). The result is
-    unchanged; the loop just ends sooner.
-    """
-    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(state.limits, alpha))
-    best_finished = state.finished_scores[:, 0]
-    return state._replace(
-        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
-        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
-    )
-
-
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -466,245 +532,40 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         alpha: length-penalty exponent (0.6 in the paper).
         max_length: most output tokens; by default source length + 50. Never
             more than the model's `max_length` with learned positions.
-        use_cache: False recomputes the whole prefix every step (same result,
-            slower; for checks and benchmarks).
 
     Returns:
-        tokens: int32 `[batch, length]`, the best finished hypothesis, padded
-            with 0 after `end_id`.
+        tokens: int32 `[batch, steps]`, the best finished hypothesis, padded
+            with 0 after `end_id` (`steps` as in `greedy_decode`).
         scores: float32 `[batch]`, its log-probability / length penalty.
 
-    Wrap the call in `tf.function` for speed.
+    Compile it for speed (`jax.jit`, `tf.function`).
     """
-    k = beam_size
-    rows = k + 1  # per sentence: k beams, then the greedy hypothesis
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
-    batch_size = tf.shape(encoder_output)[0]
-    cache = model.init_decoding_cache(encoder_output, _cache_length(steps)) if use_cache else {}
-    if use_cache:
-        # Every hypothesis gets a row of the self-attention cache: [batch * rows, ...], sentence-major.
-        # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
-        cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache["self_attention"])
-    memory = (encoder_output, source_mask)
-    next_logits = _next_logits_fn(model, start_id, use_cache)
-    # Done sentences leave the batch (XLA needs fixed shapes, so there every sentence stays).
-    compact = not in_xla_context()
+    with _no_gradient():
+        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder)
 
-    def step(state):
-        cache_index, limits, (encoder_output, source_mask) = state.cache_index, state.limits, state.memory
-        batch_size = tf.shape(state.last)[0]
-        outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
-        outputs = tf.reshape(outputs, [batch_size * rows, -1])
-        logits, cache = next_logits(
-            cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
-        )
-        best = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
-        best = _NextTokens(*(tf.reshape(x, [batch_size, rows, -1]) for x in best))
 
-        beams_best, greedy_best = _NextTokens(*(x[:, :k] for x in best)), _NextTokens(*(x[:, k] for x in best))
-
-        greedy_token, greedy_tokens, greedy_log_prob, greedy_ends = _greedy_step(
-            greedy_best, cache_index, state.greedy_tokens, state.greedy_log_prob, state.greedy_done, end_id
-        )
-        candidates = _beam_candidates(state.alive_log_prob, beams_best, state.alive_tokens, cache_index, end_id, k)
-        finished_tokens, finished_scores, num_finished = _finish(
-            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(cache_index + 1, alpha), k
-        )
-        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
-        if use_cache:
-            cache = _reorder_cache(cache, tf.concat([alive_beam, tf.fill([batch_size, 1], k)], axis=1))
-        state = _stop_early(state._replace(
-            cache_index=cache_index + 1,
-            last=tf.concat([alive_token, greedy_token[:, None]], axis=1),
-            alive_tokens=alive_tokens,
-            alive_log_prob=alive_log_prob,
-            finished_tokens=finished_tokens,
-            finished_scores=finished_scores,
-            num_finished=num_finished,
-            beam_done=state.beam_done | (num_finished >= k) | (cache_index + 1 >= limits),
-            greedy_tokens=greedy_tokens,
-            greedy_log_prob=greedy_log_prob,
-            greedy_done=state.greedy_done | greedy_ends,
-            cache=cache,
-            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, state.sentences[:, None], finished_tokens[:, 0]),
-            best_scores=tf.tensor_scatter_nd_update(state.best_scores, state.sentences[:, None], finished_scores[:, 0]),
-        ), alpha)
-        if not compact:
-            return state
-        done = state.beam_done & state.greedy_done
-        return tf.cond(tf.reduce_any(done), lambda: _drop_done(state, rows), lambda: state)
-
-    def not_done(state):
-        return tf.logical_and(
-            state.cache_index < steps, tf.logical_not(tf.reduce_all(state.beam_done & state.greedy_done))
-        )
-
-    first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
+def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder):
+    """`beam_search` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    k, rows = beam_size, beam_size + 1
+    prepared = _prepare(model, source_ids, max_length)
+    batch_size, steps = ops.shape(prepared.encoder_output)[0], prepared.steps
+    cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, steps, rows)
+    first_beam_only = ops.where(ops.arange(k) == 0, 0.0, _NEG)
     state = _BeamState(
-        cache_index=tf.constant(0),
-        last=tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
-        alive_tokens=tf.zeros([batch_size, k, steps], tf.int32),
-        alive_log_prob=tf.tile(first_beam_only[None], [batch_size, 1]),
-        finished_tokens=tf.zeros([batch_size, k, steps], tf.int32),
-        finished_scores=tf.fill([batch_size, k], _NEG),
-        num_finished=tf.zeros([batch_size], tf.int32),
-        beam_done=tf.zeros([batch_size], tf.bool),
-        greedy_tokens=tf.zeros([batch_size, steps], tf.int32),
-        greedy_log_prob=tf.zeros([batch_size], tf.float32),
-        greedy_done=tf.zeros([batch_size], tf.bool),
-        sentences=tf.range(batch_size),
-        limits=limits,
-        memory=memory,
+        index=ops.convert_to_tensor(0, "int32"),
+        last=ops.full((batch_size, rows), start_id, "int32"),
+        alive_tokens=ops.zeros((batch_size, k, steps), "int32"),
+        alive_log_prob=ops.broadcast_to(first_beam_only[None], (batch_size, k)),
+        finished_tokens=ops.zeros((batch_size, k, steps), "int32"),
+        finished_scores=ops.full((batch_size, k), _NEG, "float32"),
+        num_finished=ops.zeros((batch_size,), "int32"),
+        beam_done=ops.zeros((batch_size,), "bool"),
+        greedy_tokens=ops.zeros((batch_size, steps), "int32"),
+        greedy_log_prob=ops.zeros((batch_size,), "float32"),
+        greedy_done=ops.zeros((batch_size,), "bool"),
         cache=cache,
-        best_tokens=tf.zeros([batch_size, steps], tf.int32),
-        best_scores=tf.fill([batch_size], _NEG),
     )
-    state = _while_loop(not_done, step, state)
-    return _trim(state.best_tokens), state.best_scores
-
-
-def _drop_done(state, rows):
-    """The beam state without its done sentences (their results are in `best_tokens`/`best_scores`)."""
-    keep = tf.reshape(tf.where(~(state.beam_done & state.greedy_done)), [-1])
-    keep_rows = tf.reshape(keep[:, None] * rows + tf.range(rows, dtype=keep.dtype)[None], [-1])
-    state = _gather_fields(state, keep, (
-        "last", "alive_tokens", "alive_log_prob", "finished_tokens", "finished_scores", "num_finished",
-        "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits", "memory"))
-    cache = state.cache
-    if cache:  # the hypotheses' rows of the self-attention cache, the sentences' of the cross-attention one
-        cache = {
-            "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep_rows), cache["self_attention"]),
-            "cross_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep), cache["cross_attention"]),
-        }
-    return state._replace(cache=cache)
-
-
-def _gather_fields(state, index, names):
-    """`state` with the fields `names` (tensors, or nests of them) cut to the rows `index` `[n]`."""
-    return state._replace(**{
-        name: tf.nest.map_structure(lambda x: tf.gather(x, index), getattr(state, name)) for name in names
-    })
-
-
-def parallel_decode(search, source_ids, num_loops):
-    """`search(source_ids)` as `num_loops` independent decoding loops, each over every num_loops-th row.
-
-    Args:
-        search: `source_ids [n, source_len] -> (tokens [n, length], scores [n])`,
-            e.g. `lambda ids: greedy_decode(model, ids, start_id, end_id)`;
-            it must decode a sentence the same in any batch, as
-            `greedy_decode` and `beam_search` do.
-        source_ids: int `[batch, source_len]`, padded with 0.
-        num_loops: how many loops (1: `search(source_ids)` itself).
-
-    Returns:
-        What `search(source_ids)` returns: tokens `[batch, length]` (0-padded)
-        and scores `[batch]`, row for row.
-
-    Why: outside XLA, a decoding step is some 400 small ops that TensorFlow's
-    executor runs one after another, so one loop keeps about one core busy,
-    however many threads a matmul may split over. Independent loops in one
-    graph run at once on the executor's inter-op threads. Row i goes to loop
-    i mod num_loops, so the loops of a length-sorted batch get sentences of
-    the same lengths and end together. Give the session N inter-op threads
-    and 1 intra-op thread: served on a 2-core EPYC at batch 64, side by side
-    on those threads, 2 loops decoded 1.7x (greedy) and 1.6x (beam 4) faster
-    than one loop; on TensorFlow's default threads (2 of each) they gained
-    little (0.93x, 1.13x): each loop's matmuls then wait for intra-op
-    threads the other loop holds (BENCHMARKS.md, "Two decoding loops per
-    batch"). Under XLA the whole search is one compiled program:
-    `search(source_ids)` itself.
-    """
-    if num_loops < 1:
-        raise ValueError(f"num_loops must be >= 1, got {num_loops}")
-    if num_loops == 1 or in_xla_context():
-        return search(source_ids)
-    source_ids = tf.convert_to_tensor(source_ids)
-    batch_size = tf.shape(source_ids)[0]
-    # A loop past the batch's last row gets none (Range rejects a start past its limit).
-    rows = [tf.range(loop, tf.maximum(batch_size, loop), num_loops) for loop in range(num_loops)]
-    results = [search(tf.gather(source_ids, loop_rows)) for loop_rows in rows]
-    length = tf.reduce_max(tf.stack([tf.shape(tokens)[1] for tokens, _ in results]))
-    tokens = [tf.pad(tokens, [[0, 0], [0, length - tf.shape(tokens)[1]]]) for tokens, _ in results]
-    return tf.dynamic_stitch(rows, tokens), tf.dynamic_stitch(rows, [scores for _, scores in results])
-
-
-def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_tokens, end_id=None):
-    """Greedy continuation of prompts by a decoder-only (GPT-style) model, with the key/value cache.
-
-    The model is `output_projection(decoder(embedding(ids)))`, the functional
-    language model of the README: the prompt runs through the decoder once,
-    filling the self-attention cache, then each new token is one cached step
-    (its keys and values written at its position), and the most likely next
-    token is appended. Never the pad id 0: the model's full pass masks it out.
-
-    Args:
-        embedding: `PositionalEmbedding` (or a layer called as
-            `embedding(ids [batch, n], start_index=position)` -> `[batch, n, d_model]`).
-        decoder: a `Decoder(..., use_cross_attention=False)`.
-        output_projection: hidden states `[batch, n, d_model]` -> logits
-            `[batch, n, vocab]`: a `keras.layers.Dense`, or for a projection
-            tied to the embedding e.g.
-            `lambda h: tf.matmul(h, embedding.token_embedding.embeddings, transpose_b=True)`.
-        prompt_ids: int `[batch, prompt_len]`, prompt_len >= 1. Every prompt
-            has the same length and no padding (id 0): the cache takes each
-            earlier position for a real token.
-        max_new_tokens: how many tokens to generate (>= 1).
-        end_id: optional; a row that produces it stops there (0 after it).
-            The loop ends early once every row has.
-
-    Returns:
-        tokens: int32 `[batch, max_new_tokens]`, the continuation only (no
-            prompt), padded with 0 after `end_id`.
-        log_prob: float32 `[batch]`, log P(tokens | prompt) under the model.
-
-    Call it inside `tf.function` for speed (it also runs eagerly), e.g.
-    `tf.function(lambda ids: greedy_generate(embedding, decoder, dense, ids, 100))`.
-    """
-    prompt_ids = tf.convert_to_tensor(prompt_ids)
-    if prompt_ids.shape.rank != 2:
-        raise ValueError(f"greedy_generate expects prompt_ids of shape [batch, prompt_len], got {prompt_ids.shape}.")
-    if isinstance(max_new_tokens, int) and max_new_tokens < 1:
-        raise ValueError(f"greedy_generate needs max_new_tokens >= 1, got {max_new_tokens}.")
-    prompt_ids = tf.cast(prompt_ids, tf.int32)
-    batch_size, prompt_length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
-    end_id = -1 if end_id is None else end_id  # -1: no token ends a row
-
-    def next_token(token_ids, cache_index, cache):
-        """Tokens `[batch, n]` at positions from `cache_index` -> the next token (`_NextTokens` `[batch, 1]`)."""
-        x = embedding(token_ids, start_index=cache_index, training=False)
-        x, cache = decoder(x, self_attention_cache=cache, cache_index=cache_index, training=False)
-        logits = tf.cast(output_projection(x[:, -1:])[:, 0], tf.float32)
-        return _most_likely_token(logits, None, end_id), cache
-
-    def step(state):
-        best, cache = next_token(state.last[:, None], state.cache_index, state.cache)
-        column = state.cache_index - prompt_length + 1
-        token, tokens, log_prob, ends = _greedy_step(
-            best, column, state.tokens, state.log_prob, state.finished, end_id
-        )
-        return _GenerateState(
-            cache_index=state.cache_index + 1,
-            last=token,
-            finished=state.finished | ends,
-            log_prob=log_prob,
-            tokens=tokens,
-            cache=cache,
-        )
-
-    def not_done(state):
-        generated = state.cache_index - prompt_length + 1
-        return tf.logical_and(generated < max_new_tokens, tf.logical_not(tf.reduce_all(state.finished)))
-
-    # The whole prompt in one pass; the last generated token is never read, hence the - 1.
-    cache = decoder.empty_cache(batch_size, _cache_length(prompt_length + max_new_tokens - 1))
-    best, cache = next_token(prompt_ids, 0, cache)
-    token, tokens, log_prob, ends = _greedy_step(
-        best, 0, tf.zeros([batch_size, max_new_tokens], tf.int32), tf.zeros([batch_size]),
-        tf.zeros([batch_size], tf.bool), end_id,
-    )
-    state = _GenerateState(
-        cache_index=prompt_length, last=token, finished=ends, log_prob=log_prob, tokens=tokens, cache=cache
-    )
-    state = _while_loop(not_done, step, state)
-    return state.tokens, state.log_prob
+    state = search_loop(_Beam(next_logits, end_id, k, alpha, prepared.limits), state, steps)
+    return state.finished_tokens[:, 0], state.finished_scores[:, 0]

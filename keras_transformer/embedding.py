@@ -3,7 +3,7 @@
 import math
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.masking import PAD_ID
 
@@ -24,15 +24,12 @@ def positional_encoding(positions, d_model, dtype="float32"):
     """
     if d_model % 2:
         raise ValueError(f"positional_encoding needs an even d_model, got d_model={d_model}.")
-    positions = tf.cast(positions, tf.float32)[:, None]
-    two_i = tf.range(0, d_model, 2, dtype=tf.float32)[None, :]
-    angles = positions / tf.pow(10000.0, two_i / d_model)
+    positions = ops.cast(positions, "float32")[:, None]
+    two_i = ops.arange(0, d_model, 2, dtype="float32")[None, :]
+    angles = positions / ops.power(10000.0, two_i / d_model)
     # Interleave so that even columns hold sin and odd columns cos.
-    encoding = tf.reshape(
-        tf.stack([tf.sin(angles), tf.cos(angles)], axis=-1),
-        [-1, d_model],
-    )
-    return tf.cast(encoding, dtype)
+    encoding = ops.reshape(ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1), (-1, d_model))
+    return ops.cast(encoding, dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -114,35 +111,35 @@ class PositionalEmbedding(keras.layers.Layer):
                 "PositionalEmbedding expects token ids of shape [batch, length] (rank 2), "
                 f"got shape {token_ids.shape}."
             )
-        positions = start_index + tf.range(tf.shape(token_ids)[1])
-        x = self.token_embedding(token_ids) * tf.cast(math.sqrt(self.d_model), self.compute_dtype)
+        length = ops.shape(token_ids)[1]
+        positions = ops.cast(start_index, "int32") + ops.arange(length, dtype="int32")
+        x = self.token_embedding(token_ids) * ops.cast(math.sqrt(self.d_model), self.compute_dtype)
         if self.position_embedding is not None:
-            x = x + self.position_embedding(self._within_table(positions, start_index, tf.shape(token_ids)[1]))[None]
+            self._check_within_table(start_index, length)
+            x = x + self.position_embedding(positions)[None]
         else:
             x = x + positional_encoding(positions, self.d_model, self.compute_dtype)[None]
         return self.dropout_layer(x, training=training)
 
-    def _within_table(self, positions, start_index, length):
-        """`positions`, once checked against the learned table.
+    def _check_within_table(self, start_index, length):
+        """A ValueError naming max_length when the positions run past the learned table.
 
         Past its end a gather fails with an obscure message deep in the graph
-        on CPU, and silently returns zeros on GPU. The check runs in graphs
-        too, before the gather; XLA drops it.
+        on CPU, and silently returns zeros on GPU. Checked wherever the
+        positions are known when the call runs or is traced (eager calls, and
+        static shapes with a Python start index); the searches never pass the
+        table (their output bound stops there).
         """
-        end = start_index + length
-        check = tf.debugging.Assert(
-            end <= self.max_length,
-            [
-                f"PositionalEmbedding(learned_positions=True, max_length={self.max_length}) has no position past "
-                f"{self.max_length - 1}; this input needs max_length >= start_index + length =",
-                end,
-            ],
+        end = _concrete_int(start_index), _concrete_int(length)
+        if None in end or sum(end) <= self.max_length:
+            return
+        raise ValueError(
+            f"PositionalEmbedding(learned_positions=True, max_length={self.max_length}) has no position past "
+            f"{self.max_length - 1}; this input needs max_length >= start_index + length = {sum(end)}."
         )
-        with tf.control_dependencies([check]):
-            return tf.identity(positions)
 
     def compute_mask(self, token_ids, mask=None):
-        return keras.ops.not_equal(token_ids, PAD_ID)
+        return ops.not_equal(token_ids, PAD_ID)
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.d_model)
@@ -156,3 +153,13 @@ class PositionalEmbedding(keras.layers.Layer):
             "learned_positions": self.learned_positions,
             "max_length": self.max_length,
         }
+
+
+def _concrete_int(value):
+    """`value` as a Python int where it is known now (a number, or an eager tensor), else None (traced)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except Exception:  # a symbolic TF tensor, a JAX tracer: not known until it runs
+        return None

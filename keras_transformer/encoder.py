@@ -5,7 +5,7 @@ import keras
 from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
-from keras_transformer.masking import keras_mask
+from keras_transformer.masking import first_mask
 from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
 
 
@@ -24,7 +24,8 @@ class EncoderLayer(TransformerLayerBase):
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`
         bool, True at real tokens) -> `[batch, source_len, d_model]`.
         Without `padding_mask` the Keras mask of `x` is used (for example the
-        one `PositionalEmbedding` attaches); without either, nothing is masked.
+        one `PositionalEmbedding` attaches; Keras passes it as `mask`); without
+        either, nothing is masked.
 
         With `return_attention_scores=True` the call returns `(output, scores)`,
         as `keras.layers.MultiHeadAttention` does: `scores` are the
@@ -58,9 +59,8 @@ class EncoderLayer(TransformerLayerBase):
         self.feed_forward_norm.build(input_shape)
         self.built = True
 
-    def call(self, x, padding_mask=None, training=None, return_attention_scores=False):
-        if padding_mask is None:
-            padding_mask = keras_mask(x)
+    def call(self, x, padding_mask=None, training=None, return_attention_scores=False, mask=None):
+        padding_mask = first_mask(padding_mask, mask)
         attention_mask = None if padding_mask is None else padding_mask[:, None, :]
 
         residual = x
@@ -76,7 +76,6 @@ class EncoderLayer(TransformerLayerBase):
         x = self.feed_forward(x)
         x = add_and_norm_after(residual, x, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
         return (x, scores) if return_attention_scores else x
-
 
     def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
         # compute_output_shape knows one output; the weights are a second one.
@@ -117,9 +116,8 @@ class Encoder(TransformerStackBase):
     def build(self, input_shape):
         self._build_stack(self.encoder_layers, input_shape)
 
-    def call(self, x, padding_mask=None, training=None, return_attention_scores=False):
-        if padding_mask is None:
-            padding_mask = keras_mask(x)
+    def call(self, x, padding_mask=None, training=None, return_attention_scores=False, mask=None):
+        padding_mask = first_mask(padding_mask, mask)
         scores = []
         for layer in self.encoder_layers:
             x = layer(x, padding_mask=padding_mask, training=training, return_attention_scores=return_attention_scores)
@@ -131,7 +129,6 @@ class Encoder(TransformerStackBase):
         if return_attention_scores:
             return x, scores
         return x
-
 
     def compute_output_spec(self, x, *args, return_attention_scores=False, **kwargs):
         output = super().compute_output_spec(x, *args, **kwargs)

@@ -1,7 +1,7 @@
 """Position-wise feed-forward network (paper section 3.3, equation 2)."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.linear import is_plain, matmul_2d
 
@@ -41,10 +41,10 @@ class FeedForward(keras.layers.Layer):
     def call(self, x):
         if not (is_plain(self.inner) and is_plain(self.outer)):
             return self.outer(self.inner(x))
-        # Two 2-D matmuls on [batch * length, d_model]. Keras' Dense on a 3-D input is a tensordot
-        # with about 10 ops of shape plumbing, which a decoding step pays per op, not per FLOP.
-        y = tf.nn.relu(matmul_2d(tf.reshape(x, [-1, self.d_model]), self.inner))
-        return tf.reshape(matmul_2d(y, self.outer), tf.shape(x))
+        # Two 2-D matmuls on [batch * length, d_model]: one weight gradient each, where Keras' Dense on a
+        # 3-D input (a tensordot) computes it per sentence and sums it.
+        y = ops.relu(matmul_2d(ops.reshape(x, (-1, self.d_model)), self.inner))
+        return ops.reshape(matmul_2d(y, self.outer), ops.shape(x))
 
     def compute_output_shape(self, input_shape):
         return input_shape

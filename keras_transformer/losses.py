@@ -1,7 +1,7 @@
 """The training loss and metric: label smoothing (paper section 5.4), padding ignored."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.masking import PAD_ID
 
@@ -17,34 +17,53 @@ def smoothed_cross_entropy(logits, labels, label_smoothing):
 
     Shapes: logits `[batch, length, vocab]`, labels `[batch, length]` -> `[batch, length]`.
     """
-    vocab_size = tf.cast(tf.shape(logits)[-1], logits.dtype)
+    vocab_size = ops.cast(ops.shape(logits)[-1], logits.dtype)
 
-    @tf.custom_gradient
+    @ops.custom_gradient
     def loss(z):
-        probs = tf.nn.softmax(z)
+        probs = ops.softmax(z, axis=-1)
         # lse(z) = z_j - log p_j for any j; at the argmax p_j >= 1/V, so the log cannot underflow.
-        lse = tf.reduce_max(z, axis=-1) - tf.math.log(tf.reduce_max(probs, axis=-1))
-        z_y = tf.gather(z, labels, axis=-1, batch_dims=2)
-        value = lse - (1.0 - label_smoothing) * z_y - label_smoothing * tf.reduce_mean(z, axis=-1)
+        lse = ops.max(z, axis=-1) - ops.log(ops.max(probs, axis=-1))
+        z_y = ops.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+        value = lse - (1.0 - label_smoothing) * z_y - label_smoothing * ops.mean(z, axis=-1)
 
-        def grad(upstream):
+        def grad(*args, upstream=None):  # PyTorch passes `upstream` by name, TensorFlow and JAX positionally
+            upstream = args[-1] if upstream is None else upstream
             g = probs * upstream[..., None] - (upstream * (label_smoothing / vocab_size))[..., None]
-            positions = tf.cast(tf.where(tf.ones_like(labels, tf.bool)), tf.int32)  # [batch * length, 2]
-            indices = tf.concat([positions, tf.reshape(labels, [-1, 1])], axis=1)
-            return tf.tensor_scatter_nd_sub(g, indices, tf.reshape((1.0 - label_smoothing) * upstream, [-1]))
+            # -(1 - eps) upstream at each label: one value per position, not a pass over a one-hot.
+            at_label = ops.take_along_axis(g, labels[..., None], axis=-1)[..., 0] - (1.0 - label_smoothing) * upstream
+            return ops.scatter_update(g, _label_indices(labels), ops.reshape(at_label, (-1,)))
 
         return value, grad
 
     return loss(logits)
 
 
+def _label_indices(labels):
+    """`[batch * length, 3]` int32: (sentence, position, label) of every position of `labels` `[batch, length]`."""
+    batch, length = ops.shape(labels)[0], ops.shape(labels)[1]
+    sentence = ops.broadcast_to(ops.arange(batch, dtype="int32")[:, None], (batch, length))
+    position = ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], (batch, length))
+    return ops.reshape(ops.stack([sentence, position, ops.cast(labels, "int32")], axis=-1), (-1, 3))
+
+
 def _token_weights(sample_weight, mask):
     """`sample_weight` (a scalar, one per sentence `[batch]` or one per token
     `[batch, length]`) as float32 `[batch, length]`, shaped like `mask`."""
-    weight = tf.cast(sample_weight, tf.float32)
-    if weight.shape.rank == 1:
+    weight = ops.cast(sample_weight, "float32")
+    if len(weight.shape) == 1:
         weight = weight[:, None]
-    return tf.broadcast_to(weight, tf.shape(mask))
+    return ops.broadcast_to(weight, ops.shape(mask))
+
+
+def _replicas_in_sync():
+    """How many replicas compute this loss at once: under tf.distribute on the TensorFlow backend, its
+    strategy's; 1 on the other backends (TensorFlow is imported only when it is the backend)."""
+    if keras.backend.backend() != "tensorflow":
+        return 1
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -84,26 +103,25 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         # Keras' own reduction counts every position, padding too, in a mean
         # and in its sample-weight divisor; the mean over real tokens needs
         # both its sum and its count here.
-        with tf.name_scope(self.name):
-            y_true = tf.cast(y_true, tf.int32)
-            weights = tf.cast(tf.not_equal(y_true, PAD_ID), tf.float32)
+        with keras.name_scope(self.name):
+            y_true = ops.cast(y_true, "int32")
+            weights = ops.cast(ops.not_equal(y_true, PAD_ID), "float32")
             losses = self.call(y_true, y_pred)
             if sample_weight is not None:
                 sample_weight = _token_weights(sample_weight, weights)
                 weights, losses = weights * sample_weight, losses * sample_weight
             if self.reduction in (None, "none"):
                 return losses
-            total = tf.reduce_sum(losses)
+            total = ops.sum(losses)
             if self.reduction == "sum":
                 return total
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            return tf.math.divide_no_nan(total, tf.reduce_sum(weights)) * (1.0 / replicas)
+            return ops.divide_no_nan(total, ops.sum(weights)) * (1.0 / _replicas_in_sync())
 
     def call(self, y_true, y_pred):
         """The loss of each token `[batch, length]`, 0 at padding."""
-        y_true = tf.cast(y_true, tf.int32)
-        per_token = smoothed_cross_entropy(tf.cast(y_pred, tf.float32), y_true, self.label_smoothing)
-        return tf.where(tf.not_equal(y_true, PAD_ID), per_token, 0.0)
+        y_true = ops.cast(y_true, "int32")
+        per_token = smoothed_cross_entropy(ops.cast(y_pred, "float32"), y_true, self.label_smoothing)
+        return ops.where(ops.not_equal(y_true, PAD_ID), per_token, 0.0)
 
     def get_config(self):
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
@@ -127,17 +145,18 @@ class MaskedAccuracy(keras.metrics.Metric):
         self.total = self.add_variable(shape=(), initializer="zeros", name="total")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        y_true = tf.cast(y_true, tf.int32)
-        weights = tf.cast(tf.not_equal(y_true, PAD_ID), self.dtype)
+        y_true = ops.cast(y_true, "int32")
+        weights = ops.cast(ops.not_equal(y_true, PAD_ID), self.dtype)
         if sample_weight is not None:
-            weights *= tf.cast(_token_weights(sample_weight, weights), self.dtype)
+            weights *= ops.cast(_token_weights(sample_weight, weights), self.dtype)
         # The reference is the only logit at least as large as itself: a gather and
         # a count, cheaper than an argmax over [batch, length, vocab], and no tie wins.
-        y_pred = tf.convert_to_tensor(y_pred)
-        reference = tf.gather(y_pred, y_true, axis=-1, batch_dims=2)
-        hits = tf.math.count_nonzero(y_pred >= reference[..., None], axis=-1) == 1
-        self.correct.assign_add(tf.reduce_sum(tf.where(hits, weights, 0.0)))
-        self.total.assign_add(tf.reduce_sum(weights))
+        # (A sum, not count_nonzero, whose result comes back transposed on PyTorch.)
+        y_pred = ops.convert_to_tensor(y_pred)
+        reference = ops.take_along_axis(y_pred, y_true[..., None], axis=-1)
+        hits = ops.sum(ops.cast(y_pred >= reference, "int32"), axis=-1) == 1
+        self.correct.assign_add(ops.sum(ops.where(hits, weights, 0.0)))
+        self.total.assign_add(ops.sum(weights))
 
     def result(self):
-        return tf.math.divide_no_nan(self.correct, self.total)
+        return ops.divide_no_nan(self.correct, self.total)

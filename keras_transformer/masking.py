@@ -2,18 +2,19 @@
 
 Padding masks come from the token ids (pad id 0): a Keras mask does not
 survive a `tf.function` or a model boundary, so the ids are the source of
-truth. `keras_mask` is only the fallback for layers used inside a user's own
-functional model, where `PositionalEmbedding` attaches one.
+truth. Inside a user's own functional model the layers also accept the Keras
+mask that `PositionalEmbedding` attaches, through the `mask` arguments Keras
+fills in itself (on every backend, `jax.jit` included).
 """
 
-import tensorflow as tf
+from keras import ops
 
 PAD_ID = 0
 
 
 def padding_mask(token_ids):
     """`[batch, length]` bool, True at real tokens (pad id is 0)."""
-    return tf.not_equal(token_ids, PAD_ID)
+    return ops.not_equal(token_ids, PAD_ID)
 
 
 def causal_mask(query_length, key_length=None, start=0):
@@ -24,11 +25,11 @@ def causal_mask(query_length, key_length=None, start=0):
     and the keys are the whole cache (`key_length` slots).
     """
     key_length = query_length if key_length is None else key_length
-    query_positions = start + tf.range(query_length)[:, None]
-    key_positions = tf.range(key_length)[None, :]
-    return (key_positions <= query_positions)[None]
+    query_positions = ops.cast(start, "int32") + ops.arange(query_length, dtype="int32")[:, None]
+    key_positions = ops.arange(key_length, dtype="int32")[None, :]
+    return ops.less_equal(key_positions, query_positions)[None]
 
 
-def keras_mask(x):
-    """The Keras padding mask an upstream layer attached to `x` (e.g. `PositionalEmbedding`), or None."""
-    return getattr(x, "_keras_mask", None)
+def first_mask(*masks):
+    """The first of `masks` that is not None (an explicit padding mask before a Keras mask), or None."""
+    return next((mask for mask in masks if mask is not None), None)

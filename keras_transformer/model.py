@@ -1,7 +1,7 @@
 """The Transformer: tokens in, next-token logits out (paper figure 1)."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from keras_transformer.attention import head_size
 from keras_transformer.decoder import Decoder
@@ -27,13 +27,13 @@ def _token_ids(name, token_ids):
     own `fit()` under tf.distribute builds the model from a batch averaged
     across replicas, which arrives as floats.
     """
-    token_ids = tf.convert_to_tensor(token_ids)
-    if token_ids.shape.rank != 2:
+    token_ids = ops.convert_to_tensor(token_ids)
+    if len(token_ids.shape) != 2:
         raise ValueError(
             f"Transformer expects {name} of shape [batch, length] (rank 2), "
             f"got shape {tuple(token_ids.shape)}."
         )
-    return token_ids if token_ids.dtype.is_integer else tf.cast(token_ids, tf.int32)
+    return token_ids if "int" in keras.backend.standardize_dtype(token_ids.dtype) else ops.cast(token_ids, "int32")
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -205,14 +205,14 @@ class Transformer(keras.Model):
         if self.output_projection is not None:
             logits = self.output_projection(x)
         else:
-            embeddings = tf.cast(self.target_embedding.token_embedding.embeddings, x.dtype)
+            embeddings = ops.cast(self.target_embedding.token_embedding.embeddings, x.dtype)
             # One 2-D matmul over all positions: a batched matmul that broadcasts the
             # embedding over the batch computes its gradient per sentence, then sums it.
-            shape = tf.shape(x)
-            logits = tf.matmul(tf.reshape(x, [-1, shape[-1]]), embeddings, transpose_b=True)
-            logits = tf.reshape(logits, tf.concat([shape[:-1], tf.shape(embeddings)[:1]], axis=0))
+            shape = ops.shape(x)
+            logits = ops.matmul(ops.reshape(x, (-1, shape[-1])), ops.transpose(embeddings))
+            logits = ops.reshape(logits, (*shape[:-1], embeddings.shape[0]))
         # float32 logits keep softmax and the loss exact under mixed precision.
-        return tf.cast(logits, tf.float32)
+        return ops.cast(logits, "float32")
 
     def attention_scores(self, source_ids, target_ids):
         """The attention weights of every layer, for plotting or inspection.
@@ -260,7 +260,7 @@ class Transformer(keras.Model):
 
         def float32(tensors):
             # Under mixed precision the weights are bfloat16/float16; plots and sums want float32.
-            return [tf.cast(t, tf.float32) for t in tensors]
+            return [ops.cast(t, "float32") for t in tensors]
 
         return {
             "encoder_self_attention": float32(encoder_scores),
@@ -269,12 +269,8 @@ class Transformer(keras.Model):
         }
 
     def init_decoding_cache(self, encoder_output, max_length):
-        """Caches for `decode_step`: empty self-attention keys/values, and the
-        cross-attention keys/values of `encoder_output`, projected once here.
-
-        `max_length`: 0 for a self-attention cache that grows at each step
-        (fastest outside XLA), or the most target positions, for a fixed
-        buffer (XLA needs fixed shapes); see `MultiHeadAttention`.
+        """Caches for `decode_step`: empty self-attention keys/values for `max_length` target
+        positions, and the cross-attention keys/values of `encoder_output`, projected once here.
 
         Returns `{"self_attention": [...], "cross_attention": [...]}`, one
         `(keys, values)` pair per decoder layer, each tensor
@@ -282,7 +278,7 @@ class Transformer(keras.Model):
         everywhere, so beam search reorders every tensor on axis 0.
         """
         self._build_once()
-        batch_size = tf.shape(encoder_output)[0]
+        batch_size = ops.shape(encoder_output)[0]
         return {
             "self_attention": self.decoder.empty_cache(batch_size, max_length),
             "cross_attention": self.decoder.compute_cross_attention_cache(encoder_output),

@@ -1,7 +1,7 @@
 """The learning-rate schedule of paper section 5.3, equation 3."""
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -24,13 +24,24 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.warmup_steps = warmup_steps
 
     def __call__(self, step):
-        step = tf.cast(step, tf.float32)
-        decay = tf.math.rsqrt(tf.maximum(step, 1.0))
+        step = ops.cast(step, "float32")
+        decay = ops.rsqrt(ops.maximum(step, 1.0))
         warmup = step * float(self.warmup_steps) ** -1.5
-        return float(self.d_model) ** -0.5 * tf.minimum(decay, warmup)
+        return float(self.d_model) ** -0.5 * ops.minimum(decay, warmup)
 
     def get_config(self):
         return {"d_model": self.d_model, "warmup_steps": self.warmup_steps}
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class PaperAdam(keras.optimizers.Adam):
+    """`keras.optimizers.Adam`, under a name of its own, which `paper_adam` returns.
+
+    Why a class: on the PyTorch backend Keras builds its fused `Adam` instead,
+    and a compiled `.keras` file saved there names that class, which no other
+    backend can load. This one saves and loads the same on every backend (on
+    PyTorch it runs Keras' own Adam step, not the fused one).
+    """
 
 
 def paper_adam(d_model, warmup_steps=4000, **kwargs):
@@ -38,9 +49,9 @@ def paper_adam(d_model, warmup_steps=4000, **kwargs):
     epsilon 1e-9, and `TransformerSchedule(d_model, warmup_steps)`.
 
     Other keyword arguments go to `keras.optimizers.Adam`, e.g.
-    `gradient_accumulation_steps=4` or `clipnorm=1.0`.
+    `gradient_accumulation_steps=4` or `clipnorm=1.0`. Returns a `PaperAdam`.
     """
-    return keras.optimizers.Adam(
+    return PaperAdam(
         learning_rate=TransformerSchedule(d_model, warmup_steps),
         beta_1=0.9,
         beta_2=0.98,

@@ -1,9 +1,10 @@
 """Text <-> ids: the subword vocabulary, the special ids, and how sentences become model inputs.
 
 One joint (source + target) sentencepiece vocabulary, trained with the
-`sentencepiece` package and applied with tensorflow-text's
-`SentencepieceTokenizer`, so the same tokenizer runs in `tf.data`, in
-evaluation and inside the exported graph.
+`sentencepiece` package (pure Python: no TensorFlow here). On TensorFlow it is
+applied with tensorflow-text's `SentencepieceTokenizer` (`export/tokenizer.py`),
+so the same tokenizer runs in `tf.data`, in evaluation and inside the exported
+graph; on any backend, `sentencepiece` itself gives the same ids.
 
 Special ids (defined here once; `PAD_ID` comes from `masking`, where the
 masks are built from it): pad 0, unk 1, start (bos) 2, end (eos) 3.
@@ -12,8 +13,8 @@ Sequences:
   source     = pieces(source_text)[:max_length - 1] + [END_ID]
   target_in  = [START_ID] + pieces(target_text)
   target_out = pieces(target_text) + [END_ID]
-Model outputs are turned back into text by `decode_output`: everything from
-the first end id on, and padding, dropped before detokenizing.
+Model outputs are turned back into text by `export.tokenizer.decode_output`:
+everything from the first end id on, and padding, dropped before detokenizing.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import io
 from pathlib import Path
 
 import sentencepiece as spm
-import tensorflow as tf
-import tensorflow_text as tf_text
 
 from keras_transformer.masking import PAD_ID
 
@@ -85,48 +84,6 @@ def check_special_ids(model_proto: bytes) -> None:
     got, expected = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()), (PAD_ID, UNK_ID, START_ID, END_ID)
     if got != expected:
         raise ValueError(f"Tokenizer has pad/unk/bos/eos ids {got}, expected {expected}.")
-
-
-def make_tokenizer(model_proto: bytes):
-    """The tensorflow-text tokenizer (int32 ids, no bos/eos) for a sentencepiece model proto."""
-    return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False)
-
-
-# ------------------------------------------------------------------ sequences
-
-
-def encode_source(tokenizer, texts, max_length: int | None = None):
-    """Source ids for strings `[batch]`: pieces + [END_ID], truncated to `max_length` (end id kept).
-
-    Returns a `tf.RaggedTensor` `[batch, (len)]`; `.to_tensor(PAD_ID)` pads it.
-    """
-    return source_from_pieces(tokenizer.tokenize(texts), max_length)
-
-
-def source_from_pieces(pieces, max_length: int | None = None):
-    """Ragged piece ids `[batch, (len)]` -> the source: at most `max_length - 1` pieces, then END_ID."""
-    if max_length is not None:
-        pieces = pieces[:, : max_length - 1]
-    end = tf.fill([pieces.nrows(), 1], tf.constant(END_ID, pieces.dtype))
-    return tf.concat([pieces, end], axis=1)
-
-
-def encode_pair(tokenizer, source_text, target_text):
-    """One training pair of scalar strings -> (source, target_in, target_out), int32 `[len]` each."""
-    source = tf.cast(tokenizer.tokenize(source_text), tf.int32)
-    target = tf.cast(tokenizer.tokenize(target_text), tf.int32)
-    return (tf.concat([source, [END_ID]], 0), tf.concat([[START_ID], target], 0), tf.concat([target, [END_ID]], 0))
-
-
-def decode_output(tokenizer, tokens):
-    """Decoded tokens `[batch, length]` -> strings `[batch]`.
-
-    Everything from the first end id on, and padding, is dropped before
-    detokenizing.
-    """
-    before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, END_ID), tf.int32), axis=1), 0)
-    keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
-    return tf.reshape(tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1])
 
 
 def read_lines(path) -> list[str]:

@@ -9,8 +9,9 @@ import sentencepiece as spm
 import tensorflow as tf
 
 from conftest import MULTI30K, needs_multi30k
+from export.tokenizer import encode_source, make_tokenizer
 from keras_transformer.text import END_ID as EOS_ID
-from keras_transformer.text import PAD_ID, UNK_ID, encode_source, make_tokenizer, read_tokenizer_proto
+from keras_transformer.text import PAD_ID, UNK_ID, read_tokenizer_proto
 from keras_transformer.text import START_ID as BOS_ID
 from keras_transformer.text import train_sentencepiece, vocab_size_of
 from training.pipeline import bucket_batch_sizes, bucket_boundaries, make_batches

@@ -23,8 +23,8 @@ import tensorflow_datasets as tfds
 
 import keras_transformer as kt
 from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
-from keras_transformer.text import (check_special_ids, make_tokenizer, read_tokenizer_proto, train_sentencepiece,
-                                    vocab_size_of)
+from keras_transformer.text import check_special_ids, read_tokenizer_proto, train_sentencepiece, vocab_size_of
+from export.tokenizer import make_tokenizer
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs

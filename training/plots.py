@@ -31,7 +31,8 @@ import tensorflow as tf
 
 import keras_transformer as kt
 from export.translator import load_model_dir, read_config
-from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source
+from keras_transformer.text import END_ID, PAD_ID, START_ID
+from export.tokenizer import decode_output, encode_source
 
 PAPER_D_MODEL, PAPER_WARMUP_STEPS = 512, 4000
 DPI = 150

@@ -1,0 +1,55 @@
+"""The sentencepiece vocabulary as TensorFlow ops (tensorflow-text), and how sentences become model inputs.
+
+The same tokenizer runs in `tf.data` (training), in evaluation and inside the
+exported graph. The vocabulary itself, its training and the special ids are in
+`keras_transformer/text.py` (no TensorFlow there).
+
+Sequences:
+  source     = pieces(source_text)[:max_length - 1] + [END_ID]
+  target_in  = [START_ID] + pieces(target_text)
+  target_out = pieces(target_text) + [END_ID]
+"""
+
+import tensorflow as tf
+import tensorflow_text as tf_text
+
+from keras_transformer.text import END_ID, PAD_ID, START_ID
+
+
+def make_tokenizer(model_proto: bytes):
+    """The tensorflow-text tokenizer (int32 ids, no bos/eos) for a sentencepiece model proto."""
+    return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False)
+
+
+def encode_source(tokenizer, texts, max_length: int | None = None):
+    """Source ids for strings `[batch]`: pieces + [END_ID], truncated to `max_length` (end id kept).
+
+    Returns a `tf.RaggedTensor` `[batch, (len)]`; `.to_tensor(PAD_ID)` pads it.
+    """
+    return source_from_pieces(tokenizer.tokenize(texts), max_length)
+
+
+def source_from_pieces(pieces, max_length: int | None = None):
+    """Ragged piece ids `[batch, (len)]` -> the source: at most `max_length - 1` pieces, then END_ID."""
+    if max_length is not None:
+        pieces = pieces[:, : max_length - 1]
+    end = tf.fill([pieces.nrows(), 1], tf.constant(END_ID, pieces.dtype))
+    return tf.concat([pieces, end], axis=1)
+
+
+def encode_pair(tokenizer, source_text, target_text):
+    """One training pair of scalar strings -> (source, target_in, target_out), int32 `[len]` each."""
+    source = tf.cast(tokenizer.tokenize(source_text), tf.int32)
+    target = tf.cast(tokenizer.tokenize(target_text), tf.int32)
+    return (tf.concat([source, [END_ID]], 0), tf.concat([[START_ID], target], 0), tf.concat([target, [END_ID]], 0))
+
+
+def decode_output(tokenizer, tokens):
+    """Decoded tokens `[batch, length]` -> strings `[batch]`.
+
+    Everything from the first end id on, and padding, is dropped before
+    detokenizing.
+    """
+    before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, END_ID), tf.int32), axis=1), 0)
+    keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
+    return tf.reshape(tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1])
