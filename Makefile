@@ -1,21 +1,70 @@
-# `make test` and `make train` each set up the virtualenv first, so either one works on a fresh machine.
+# `make test` and `make train` each set up their virtualenvs first, so either one works on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The library on the other Keras backends, each in a virtualenv without TensorFlow.
+JAX_VENV := .venv-jax
+TORCH_VENV := .venv-torch
+# PyTorch's CPU wheel for $(PYTHON) (a plain `pip install torch` brings gigabytes of CUDA libraries). Without
+# one the PyTorch tests are skipped (make says so).
+PYTHON_TAG := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-*+cpu-$(PYTHON_TAG)-*.whl))
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: venv test train plots clean bench-venv
+.PHONY: venv venv-jax venv-torch test test-tf test-jax test-torch train plots clean bench-venv
 
+# TensorFlow: training/, export/, the kt-* commands and the whole test suite.
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[tensorflow,test]"
 	touch $@
 
 venv: $(VENV)/.installed
 
-test: venv
-	$(PY) -m pytest tests -q
+$(JAX_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(JAX_VENV)/bin/python -m pip install --quiet -e ".[jax,test]"
+	touch $@
+
+venv-jax: $(JAX_VENV)/.installed
+
+$(TORCH_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TORCH_VENV)/bin/python -m pip install --quiet "$(TORCH_WHEEL)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+ifneq ($(TORCH_WHEEL),)
+venv-torch: $(TORCH_VENV)/.installed
+else
+venv-torch:
+	@echo "No PyTorch CPU wheel for $(PYTHON_TAG) in /opt/wheels (or TORCH_WHEEL=/path/to/torch-*+cpu-*.whl): the PyTorch tests are skipped."
+endif
+
+# What CI runs (.ci/run): the whole suite on TensorFlow (tests/portable included, and the cross-backend tests of
+# tests/test_backends.py), then tests/portable on JAX and on PyTorch. All three run; any failure fails `make test`.
+test: venv venv-jax venv-torch
+	@status=0; \
+	$(MAKE) --no-print-directory test-tf || status=1; \
+	$(MAKE) --no-print-directory test-jax || status=1; \
+	$(MAKE) --no-print-directory test-torch || status=1; \
+	exit $$status
+
+test-tf: venv
+	KERAS_BACKEND=tensorflow $(PY) -m pytest tests -q
+
+test-jax: venv-jax
+	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest tests/portable -q
+
+ifneq ($(TORCH_WHEEL),)
+test-torch: venv-torch
+	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python -m pytest tests/portable -q
+else
+test-torch: venv-torch
+endif
 
 # The README's main command, Multi30k SRC->TGT end to end: train with configs/multi30k.json (small preset,
 # 22 epochs on any machine), average the last 5 epoch checkpoints, score beam search on test_2016_flickr
@@ -43,16 +92,16 @@ plots: venv
 	$(PY) -m training.plots attention --model-dir $(RUN) --source "$(SOURCE)" --out docs/images/attention.png
 
 # Peers for bench/peers_throughput.py (torch, keras-hub) and bench/ctranslate2_side_by_side.py (ctranslate2;
-# sacrebleu and sentencepiece come with -e .), kept out of the project's own venv.
+# sacrebleu and sentencepiece come with -e ".[tensorflow]"), kept out of the project's own venv.
 BENCH_VENV := .venv-bench
 
 $(BENCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e . keras-hub ctranslate2==4.8.5
+	$(BENCH_VENV)/bin/pip install --quiet -e ".[tensorflow]" keras-hub ctranslate2==4.8.5
 	touch $@
 
 bench-venv: $(BENCH_VENV)/.installed
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(JAX_VENV) $(TORCH_VENV) *.egg-info

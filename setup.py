@@ -5,30 +5,41 @@ setup(
     version="0.1.0",
     description=(
         'The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) '
-        "as Keras 3 layers, with a training pipeline and a TF Serving export."
+        "as Keras 3 layers for JAX, PyTorch and TensorFlow, with a TF training pipeline and a TF Serving export."
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["keras_transformer*", "training*", "export*"]),
+    # The library (keras_transformer/) runs on any Keras 3 backend: JAX, PyTorch or TensorFlow. The backend is
+    # the user's to install (the `jax` extra, a torch wheel, or the `tensorflow` extra); see the README.
     install_requires=[
-        "tensorflow>=2.21,<2.22",
-        "tensorflow-text>=2.21,<2.22",
         # training/keras_internals.py uses private Keras API written for 3.15: recheck it before widening this.
         "keras>=3.15,<3.16",
-        # keras.callbacks.TensorBoard (kt-train's logs/) needs it; TensorFlow 2.21 no longer depends on it.
-        "tensorboard>=2.21,<2.22",
-        "tensorflow-datasets>=4.9",
+        "numpy",
         "sentencepiece>=0.2",
-        "sacrebleu>=2.4",
-        # TF Serving's protos: kt-export writes warm-up requests (PredictionLog records); the gRPC client.
-        # Its own dependencies (grpcio, protobuf, tensorflow) are TensorFlow's already.
-        "tensorflow-serving-api>=2.21,<2.22",
     ],
     extras_require={
-        # Kept so that keras-transformer[serving] still installs: tensorflow-serving-api is now required.
-        "serving": [],
+        # training/, export/ and the kt-* commands: the TF pipeline, the TF Serving export, the scores.
+        "tensorflow": [
+            "tensorflow>=2.21,<2.22",
+            "tensorflow-text>=2.21,<2.22",
+            # keras.callbacks.TensorBoard (kt-train's logs/) needs it; TensorFlow 2.21 no longer depends on it.
+            "tensorboard>=2.21,<2.22",
+            "tensorflow-datasets>=4.9",
+            "sacrebleu>=2.4",
+            # TF Serving's protos: kt-export writes warm-up requests (PredictionLog records); the gRPC client.
+            # Its own dependencies (grpcio, protobuf, tensorflow) are TensorFlow's already.
+            "tensorflow-serving-api>=2.21,<2.22",
+        ],
+        # The library on the JAX backend (KERAS_BACKEND=jax), CPU only: tested with 0.10, the release beside Keras
+        # 3.15 (pinned above); recheck tests/portable on JAX before widening. (PyTorch: install its CPU wheel
+        # yourself, as `make venv-torch` does: a plain `pip install torch` brings gigabytes of CUDA libraries.)
+        "jax": ["jax[cpu]>=0.10,<0.11"],
+        # export/client.py's gRPC client alone (its REST client needs nothing): TF Serving's protos, which bring
+        # TensorFlow. (Also in `tensorflow`, for kt-export's warm-up requests.)
+        "serving": ["tensorflow-serving-api>=2.21,<2.22"],
         # Figures of a run (python -m training.plots); tests/test_plots.py needs it too.
         "plots": ["matplotlib>=3.6"],
         "test": ["pytest>=8", "matplotlib>=3.6"],

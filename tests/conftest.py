@@ -1,4 +1,9 @@
-"""Fixtures and helpers shared by the tests (test modules never import each other)."""
+"""Fixtures and helpers shared by the tests (test modules never import each other).
+
+Loaded on every backend (tests/portable runs under KERAS_BACKEND=jax and torch without TensorFlow installed):
+numpy, keras and keras_transformer only at module level; TensorFlow only inside what the TF suite alone calls
+(the quick model, the TF1 loader script).
+"""
 
 import base64
 import json
@@ -24,6 +29,33 @@ needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.en").is_file(), reaso
 # For subprocesses that import the project from this checkout.
 SUBPROCESS_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
 QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
+# The interpreter of each Keras backend's virtualenv (the TF suite runs in its own), and the make target that
+# creates it: JAX and PyTorch each have one without TensorFlow.
+BACKEND_VENVS = {
+    "tensorflow": (Path(sys.executable), "venv"),
+    "jax": (REPO / ".venv-jax" / "bin" / "python", "venv-jax"),
+    "torch": (REPO / ".venv-torch" / "bin" / "python", "venv-torch"),
+}
+
+
+def backend_python(backend):
+    """The python of `backend`'s virtualenv, to run with KERAS_BACKEND=backend; skips the test when that
+    virtualenv has not been made (`make venv-jax`, `make venv-torch`)."""
+    python, target = BACKEND_VENVS[backend]
+    if backend != "tensorflow" and not (python.parents[1] / ".installed").is_file():
+        pytest.skip(f"no {backend} virtualenv ({python.parents[1].name}): `make {target}` creates it")
+    return python
+
+
+def run_on_backend(backend, script, *args, cwd, timeout=900):
+    """Runs the Python `script` with `args` in a fresh interpreter of `backend`'s virtualenv under
+    KERAS_BACKEND=backend (tests/ importable, for conftest's helpers); fails the test if it fails."""
+    python = backend_python(backend)
+    env = {**SUBPROCESS_ENV, "KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    proc = subprocess.run([str(python), "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=str(cwd), timeout=timeout)
+    assert proc.returncode == 0, f"on {backend}:\n{proc.stderr[-4000:]}"
+    return proc.stdout
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +97,58 @@ def copy_task(rng, n, length=6, vocab=16):
     target_in = np.concatenate([np.full((n, 1), START_ID, "int32"), tokens], axis=1)
     target_out = np.concatenate([tokens, end], axis=1)
     return (source, target_in), target_out
+
+
+def user_functional_model(vocab=VOCAB, d_model=16, num_heads=2, d_ff=32):
+    """A user's own functional model: a classifier and a tagger built from our layers (every kind of layer once,
+    post-norm and pre-norm), ((source [b, s], target [b, t]) ids -> [b, t, 3])."""
+    source = keras.Input(shape=(None,), dtype="int32", name="source")
+    target = keras.Input(shape=(None,), dtype="int32", name="target")
+    embedding = kt.PositionalEmbedding(vocab, d_model, dropout=0.1)
+    memory = kt.Encoder(2, d_model, num_heads, d_ff)(embedding(source))
+    memory = kt.EncoderLayer(d_model, num_heads, d_ff, norm_first=True)(memory)
+    x = kt.DecoderLayer(d_model, num_heads, d_ff)(embedding(target), memory)
+    x = kt.Decoder(1, d_model, num_heads, d_ff, norm_first=True)(x, memory)
+    x = kt.FeedForward(d_model, d_ff)(x)
+    x = kt.MultiHeadAttention(num_heads=num_heads, key_dim=d_model // num_heads)(x, memory)
+    return keras.Model([source, target], keras.layers.Dense(3)(x))
+
+
+# A decoder-only (GPT-style) language model from the library's layers, and the pattern it learns in the tests.
+PATTERN_VOCAB, PERIOD, PATTERN_LENGTH = 12, 2, 16
+
+
+def gpt_model(vocab=VOCAB, d_model=16, num_heads=2, d_ff=32, num_layers=2, norm_first=False):
+    """A user's functional language model: ids -> PositionalEmbedding -> Decoder without cross-attention -> Dense."""
+    ids = keras.Input(shape=(None,), dtype="int32", name="ids")
+    embedding = kt.PositionalEmbedding(vocab, d_model, name="embedding")
+    decoder = kt.Decoder(num_layers, d_model, num_heads, d_ff, dropout=0.0, norm_first=norm_first,
+                         use_cross_attention=False, name="decoder")
+    projection = keras.layers.Dense(vocab, name="projection")
+    return keras.Model(ids, projection(decoder(embedding(ids))))
+
+
+def gpt_layers(model):
+    """The embedding, decoder and output projection of a `gpt_model`, as kt.greedy_generate takes them."""
+    return model.get_layer("embedding"), model.get_layer("decoder"), model.get_layer("projection")
+
+
+def repeated_patterns(rng, n):
+    """Rows `a b a b ...` of PATTERN_LENGTH tokens, a and b drawn uniformly from ids 1..11 (0 is padding)."""
+    pattern = rng.integers(1, PATTERN_VOCAB, size=(n, PERIOD))
+    return np.tile(pattern, (1, PATTERN_LENGTH // PERIOD)).astype("int32")
+
+
+@pytest.fixture(scope="module")
+def trained_lm():
+    """A 2-layer d_model=32 `gpt_model` fitted for 3 epochs (48 steps) on 512 `repeated_patterns` rows: a few
+    seconds. (model, last epoch's loss)."""
+    keras.utils.set_random_seed(0)
+    data = repeated_patterns(np.random.default_rng(0), 512)
+    model = gpt_model(vocab=PATTERN_VOCAB, d_model=32, num_heads=4, d_ff=64)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=kt.MaskedSparseCategoricalCrossentropy(0.0))
+    history = model.fit(data[:, :-1], data[:, 1:], batch_size=32, epochs=3, verbose=0)
+    return model, history.history["loss"][-1]
 
 
 def multi30k_lines(name, n):
@@ -124,3 +208,27 @@ def run_tf1(saved_model, requests, tmp_path):
                           text=True, env=env, cwd=str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+def full_pass_decoder(start_id):
+    """A decoder for `keras_transformer.decoding`'s searches that runs the model's whole decoder every step:
+    decoding by its definition, the reference the cache is tested against.
+
+    Like `decoding.cached_decoder`, `(model, encoder_output, source_mask, steps, rows) -> (cache, next_logits)`;
+    `next_logits` reads the rows' outputs so far. The whole fixed-size prefix goes through the decoder each step
+    and position `index` is read: causality keeps the later (not yet written) positions out of it.
+    """
+    from keras import ops
+
+    def decoder(model, encoder_output, source_mask, steps, rows=1):
+        if rows > 1:
+            encoder_output, source_mask = (ops.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
+
+        def next_logits(last, index, outputs, cache):
+            start = ops.full((ops.shape(outputs)[0], 1), start_id, "int32")
+            prefix = ops.concatenate([start, outputs[:, :-1]], axis=1)
+            return ops.take(model.decode(prefix, encoder_output, source_mask), index, axis=1), cache
+
+        return {}, next_logits
+
+    return decoder

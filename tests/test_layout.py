@@ -1,11 +1,11 @@
-"""The layout's dependency rules: the library and the export never import training/, and
-nothing but the kt-train CLI imports training/train.py."""
+"""The layout's dependency rules: the library and the export never import training/, the library imports
+without TensorFlow on the other backends, and nothing but the kt-train CLI imports training/train.py."""
 
 import ast
 import subprocess
 import sys
 
-from conftest import REPO, SUBPROCESS_ENV
+from conftest import REPO, SUBPROCESS_ENV, run_on_backend
 
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys
@@ -24,6 +24,23 @@ def test_library_and_export_import_nothing_from_training():
                           cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+IMPORT_LIBRARY = r"""
+import importlib, json, pkgutil, sys
+import keras, keras_transformer
+assert keras.backend.backend() == sys.argv[1], keras.backend.backend()
+for module in pkgutil.walk_packages(keras_transformer.__path__, "keras_transformer."):
+    importlib.import_module(module.name)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0].startswith("tensorflow"))))
+"""
+
+
+def test_every_library_module_imports_on_jax_without_tensorflow(tmp_path):
+    """In .venv-jax (no TensorFlow installed) under KERAS_BACKEND=jax, every module of keras_transformer/ imports,
+    and no tensorflow module is loaded with them."""
+    stdout = run_on_backend("jax", IMPORT_LIBRARY, "jax", cwd=tmp_path, timeout=300)
+    assert stdout.strip().splitlines()[-1] == "[]"
 
 
 def _imported_modules(path):

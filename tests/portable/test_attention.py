@@ -8,9 +8,10 @@ formula, so outputs, attention weights and gradients must agree.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
 
 import keras_transformer as kt
+from portable.conftest import gradients, to_numpy
 
 
 def _twins(num_heads=4, key_dim=8, dtype=None, **kwargs):
@@ -32,9 +33,9 @@ def _same_weights(ours, reference, query, value):
 @pytest.fixture
 def inputs():
     rng = np.random.default_rng(1)
-    query = tf.constant(rng.normal(size=(3, 5, 16)).astype("float32"))
-    memory = tf.constant(rng.normal(size=(3, 7, 16)).astype("float32"))
-    memory_mask = tf.constant(np.arange(7)[None, :] < np.array([[7], [4], [2]]))
+    query = ops.convert_to_tensor(rng.normal(size=(3, 5, 16)).astype("float32"))
+    memory = ops.convert_to_tensor(rng.normal(size=(3, 7, 16)).astype("float32"))
+    memory_mask = ops.convert_to_tensor(np.arange(7)[None, :] < np.array([[7], [4], [2]]))
     return query, memory, memory_mask
 
 
@@ -52,15 +53,15 @@ def test_outputs_and_weights_equal_keras(inputs, case):
     if case == "cross_masked":
         kwargs["attention_mask"] = memory_mask[:, None, :]
     if case == "cross_separate_key":
-        kwargs["key"] = memory[:, :, ::-1]
+        kwargs["key"] = ops.flip(memory, axis=-1)
     if case == "keras_masks":  # as an Embedding(mask_zero=True) attaches them
         embed = keras.layers.Embedding(10, 16, mask_zero=True)
-        query = embed(tf.constant([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0], [5, 4, 3, 2, 1]]))
-        value = embed(tf.where(memory_mask, 7, 0))
+        query = embed(ops.convert_to_tensor([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0], [5, 4, 3, 2, 1]]))
+        value = embed(ops.where(memory_mask, 7, 0))
     out, scores = ours(query, value, **kwargs)
     ref_out, ref_scores = reference(query, value, **kwargs)
-    np.testing.assert_allclose(out.numpy(), ref_out.numpy(), atol=1e-5)
-    np.testing.assert_allclose(scores.numpy(), ref_scores.numpy(), atol=1e-6)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(ref_out), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(scores), to_numpy(ref_scores), atol=1e-6)
 
 
 def test_gradients_equal_keras(inputs):
@@ -68,15 +69,15 @@ def test_gradients_equal_keras(inputs):
     ours, reference = _twins()
     _same_weights(ours, reference, query, memory)
 
-    def gradients(layer):
-        with tf.GradientTape() as tape:
-            tape.watch([query, memory])
+    def layer_gradients(layer):
+        def loss(query, memory):
             out = layer(query, memory, attention_mask=memory_mask[:, None, :])
-            loss = tf.reduce_sum(out * tf.sin(out))
-        return tape.gradient(loss, [query, memory] + layer.trainable_variables)
+            return ops.sum(out * ops.sin(out))
 
-    for ours_grad, ref_grad in zip(gradients(ours), gradients(reference), strict=True):
-        np.testing.assert_allclose(ours_grad.numpy(), ref_grad.numpy(), atol=1e-4)
+        return gradients(loss, [query, memory], layer.trainable_variables)[1]
+
+    for ours_grad, ref_grad in zip(layer_gradients(ours), layer_gradients(reference), strict=True):
+        np.testing.assert_allclose(ours_grad, ref_grad, atol=1e-4)
 
 
 def test_mixed_bfloat16_computes_in_bfloat16_like_keras(inputs):
@@ -84,10 +85,10 @@ def test_mixed_bfloat16_computes_in_bfloat16_like_keras(inputs):
     ours, reference = _twins(dtype="mixed_bfloat16")
     _same_weights(ours, reference, query, memory)
     out, ref_out = ours(query, memory), reference(query, memory)
-    assert out.dtype == ref_out.dtype == tf.bfloat16
+    assert keras.backend.standardize_dtype(out.dtype) == keras.backend.standardize_dtype(ref_out.dtype) == "bfloat16"
     assert all(w.dtype == "float32" for w in ours.weights)
     np.testing.assert_allclose(
-        out.numpy().astype("float32"), ref_out.numpy().astype("float32"), atol=0.1, rtol=0.05
+        to_numpy(ops.cast(out, "float32")), to_numpy(ops.cast(ref_out, "float32")), atol=0.1, rtol=0.05
     )
 
 
@@ -95,25 +96,25 @@ def test_attention_dropout_is_applied_in_training_only(inputs):
     query, _, _ = inputs
     layer = kt.MultiHeadAttention(4, 8, dropout=0.5, seed=0)
     inference = layer(query, query, training=False)
-    np.testing.assert_allclose(layer(query, query, training=False).numpy(), inference.numpy())
-    assert not np.allclose(layer(query, query, training=True).numpy(), inference.numpy())
+    np.testing.assert_allclose(to_numpy(layer(query, query, training=False)), to_numpy(inference))
+    assert not np.allclose(to_numpy(layer(query, query, training=True)), to_numpy(inference))
 
 
 def test_options_beyond_the_paper_run_keras_code_and_refuse_the_cache(inputs):
     query, _, _ = inputs
     ours, reference = _twins(use_gate=True)
     _same_weights(ours, reference, query, query)
-    np.testing.assert_allclose(ours(query, query).numpy(), reference(query, query).numpy(), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(ours(query, query)), to_numpy(reference(query, query)), atol=1e-5)
     with pytest.raises(ValueError, match="cache supports plain multi-head attention only"):
         ours(query[:, :1], query[:, :1], cache=ours.empty_cache(3, 5), cache_index=0)
 
 
 def test_explicit_query_mask_gives_masked_queries_no_attention(inputs):
     query, memory, memory_mask = inputs
-    query_mask = tf.constant([[True] * 5, [True] * 3 + [False] * 2, [False] + [True] * 4])
+    query_mask = ops.convert_to_tensor([[True] * 5, [True] * 3 + [False] * 2, [False] + [True] * 4])
     _, scores = kt.MultiHeadAttention(4, 8)(
         query, memory, query_mask=query_mask, value_mask=memory_mask, return_attention_scores=True
     )
-    weight_per_query = tf.reduce_sum(scores, axis=-1).numpy()  # [batch, heads, query_len]
-    expected = np.broadcast_to(query_mask.numpy()[:, None, :], weight_per_query.shape).astype("float32")
+    weight_per_query = to_numpy(ops.sum(scores, axis=-1))  # [batch, heads, query_len]
+    expected = np.broadcast_to(to_numpy(query_mask)[:, None, :], weight_per_query.shape).astype("float32")
     np.testing.assert_allclose(weight_per_query, expected, atol=1e-6)

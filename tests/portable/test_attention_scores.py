@@ -6,6 +6,7 @@ import pytest
 
 import keras_transformer as kt
 from conftest import random_ids
+from portable.conftest import to_numpy
 
 
 def _batch(rng):
@@ -22,7 +23,7 @@ def _batch(rng):
 def scores(tiny_model):
     source, target = _batch(np.random.default_rng(0))
     weights = tiny_model.attention_scores(source, target)
-    return source, target, {name: [w.numpy() for w in layers] for name, layers in weights.items()}
+    return source, target, {name: [to_numpy(w) for w in layers] for name, layers in weights.items()}
 
 
 def test_one_tensor_per_layer_with_heads_queries_keys(tiny_model, scores):
@@ -79,20 +80,20 @@ def test_layers_return_the_same_output_with_scores(tiny_model):
     source_mask, target_mask = kt.padding_mask(source), kt.padding_mask(target)
     # As arrays: no Keras masks attached, which keras.layers.MultiHeadAttention
     # would read (and then delete) on the first call only.
-    x = tiny_model.target_embedding(target).numpy()
-    memory = tiny_model.encode(source).numpy()
+    x = to_numpy(tiny_model.target_embedding(target))
+    memory = to_numpy(tiny_model.encode(source))
 
     encoder_layer = tiny_model.encoder.encoder_layers[0]
     plain = encoder_layer(memory, padding_mask=source_mask)
     out, weights = encoder_layer(memory, padding_mask=source_mask, return_attention_scores=True)
-    np.testing.assert_allclose(out.numpy(), plain.numpy(), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(plain), atol=1e-5)
     assert weights.shape == (3, tiny_model.num_heads, 7, 7)
 
     decoder_layer = tiny_model.decoder.decoder_layers[0]
     masks = dict(encoder_padding_mask=source_mask, decoder_padding_mask=target_mask)
     plain = decoder_layer(x, memory, **masks)
     out, weights = decoder_layer(x, memory, return_attention_scores=True, **masks)
-    np.testing.assert_allclose(out.numpy(), plain.numpy(), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(plain), atol=1e-5)
     assert sorted(weights) == ["cross_attention", "self_attention"]
     assert weights["self_attention"].shape == (3, tiny_model.num_heads, 6, 6)
     assert weights["cross_attention"].shape == (3, tiny_model.num_heads, 6, 7)
@@ -105,10 +106,10 @@ def test_layers_return_the_same_output_with_scores(tiny_model):
     memory_with_scores, _ = tiny_model.encoder(
         tiny_model.target_embedding(source), padding_mask=source_mask, return_attention_scores=True
     )
-    np.testing.assert_allclose(memory_with_scores.numpy()[real_source], memory[real_source], atol=1e-5)
+    np.testing.assert_allclose(to_numpy(memory_with_scores)[real_source], memory[real_source], atol=1e-5)
     hidden, _ = tiny_model.decoder(tiny_model.target_embedding(target), memory, return_attention_scores=True, **masks)
-    logits = tiny_model((source, target)).numpy()
-    np.testing.assert_allclose(tiny_model.project(hidden).numpy()[real_target], logits[real_target], atol=1e-4)
+    logits = to_numpy(tiny_model((source, target)))
+    np.testing.assert_allclose(to_numpy(tiny_model.project(hidden))[real_target], logits[real_target], atol=1e-4)
 
 
 def test_decoding_cache_refuses_scores(tiny_model):
@@ -133,4 +134,4 @@ def test_functional_api_gets_the_weights_as_a_second_output():
     (first, second), weights = model((random_ids(rng, 2, 5), random_ids(rng, 2, 3)))
     assert first.shape == second.shape == (2, 4, 5, 5)
     assert weights["self_attention"].shape == (2, 4, 3, 3) and weights["cross_attention"].shape == (2, 4, 3, 5)
-    np.testing.assert_allclose(weights["cross_attention"].numpy().sum(axis=-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(weights["cross_attention"]).sum(axis=-1), 1.0, atol=1e-5)

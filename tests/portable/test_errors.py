@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_transformer as kt
+from portable.conftest import jit, to_numpy
 
 
 def test_d_model_not_divisible_by_heads():
@@ -37,7 +37,7 @@ def test_float_ids_are_cast_like_keras_embedding_does(tiny_model):
     ids = np.array([[5, 6, 7, 3, 0]])
     as_int = tiny_model((ids.astype("int32"), ids.astype("int32")))
     as_float = tiny_model((ids.astype("float32"), ids.astype("float32")))
-    np.testing.assert_array_equal(as_float.numpy(), as_int.numpy())
+    np.testing.assert_array_equal(to_numpy(as_float), to_numpy(as_int))
 
 
 def test_learned_positions_need_max_length():
@@ -49,11 +49,11 @@ def test_positions_past_a_learned_table_name_max_length():
     """Past the table a gather fails obscurely on CPU (and returns zeros on GPU); the error names max_length."""
     model = kt.Transformer.from_preset("tiny", vocab_size=10, learned_positions=True, max_length=8)
     message = r"max_length=8\).*start_index \+ length =\D*9"
-    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+    with pytest.raises(ValueError, match=message):
         model.encode(np.ones((2, 9), "int32"))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
-        tf.function(model.encode)(np.ones((2, 9), "int32"))
+    with pytest.raises(ValueError, match=message):
+        jit(model.encode)(np.ones((2, 9), "int32"))
     assert model.encode(np.ones((2, 8), "int32")).shape == (2, 8, 32)
     # One decoding step past the table too.
-    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+    with pytest.raises(ValueError, match=message):
         model.target_embedding(np.ones((2, 1), "int32"), start_index=8)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
+from portable.conftest import to_numpy
 
 
 @pytest.mark.parametrize("pos", [0, 1, 7, 50, 311])
 @pytest.mark.parametrize("i", [0, 1, 5, 127, 255])
 def test_positional_encoding_formula(pos, i):
     d_model = 512
-    table = kt.positional_encoding(np.arange(400), d_model).numpy()
+    table = to_numpy(kt.positional_encoding(np.arange(400), d_model))
     angle = pos / 10000 ** (2 * i / d_model)
     assert table[pos, 2 * i] == pytest.approx(math.sin(angle), abs=1e-5)
     assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
@@ -21,19 +22,19 @@ def test_positional_encoding_formula(pos, i):
 def test_embedding_is_scaled_tokens_plus_encoding():
     layer = kt.PositionalEmbedding(vocab_size=10, d_model=8)
     ids = np.array([[3, 4, 5, 0]])
-    out = layer(ids).numpy()
+    out = to_numpy(layer(ids))
     table = layer.token_embedding.embeddings.numpy()
-    expected = table[ids[0]] * math.sqrt(8) + kt.positional_encoding(np.arange(4), 8).numpy()
+    expected = table[ids[0]] * math.sqrt(8) + to_numpy(kt.positional_encoding(np.arange(4), 8))
     np.testing.assert_allclose(out[0], expected, atol=1e-5)
-    np.testing.assert_array_equal(layer.compute_mask(ids).numpy(), ids != 0)
+    np.testing.assert_array_equal(to_numpy(layer.compute_mask(ids)), ids != 0)
     # Decoding one step at position 2 sees the same encoding as the full pass.
-    np.testing.assert_allclose(layer(ids[:, 2:3], start_index=2).numpy()[0, 0], out[0, 2], atol=1e-5)
+    np.testing.assert_allclose(to_numpy(layer(ids[:, 2:3], start_index=2))[0, 0], out[0, 2], atol=1e-5)
 
 
 def test_learned_positions_add_a_table():
     layer = kt.PositionalEmbedding(vocab_size=10, d_model=8, learned_positions=True, max_length=16)
     ids = np.array([[3, 4, 5]])
-    out = layer(ids).numpy()
+    out = to_numpy(layer(ids))
     tokens = layer.token_embedding.embeddings.numpy()[ids[0]] * math.sqrt(8)
     positions = layer.position_embedding.embeddings.numpy()[:3]
     np.testing.assert_allclose(out[0], tokens + positions, atol=1e-5)

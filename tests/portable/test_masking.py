@@ -5,18 +5,19 @@ import numpy as np
 
 import keras_transformer as kt
 from conftest import VOCAB, random_ids
+from portable.conftest import to_numpy
 
 
 def test_decoder_is_causal(tiny_model):
     rng = np.random.default_rng(0)
     source = random_ids(rng, 2, 7)
     target = random_ids(rng, 2, 9)
-    logits = tiny_model((source, target)).numpy()
+    logits = to_numpy(tiny_model((source, target)))
     for t in range(target.shape[1] - 1):
         changed = target.copy()
         changed[:, t + 1 :] = random_ids(rng, 2, target.shape[1] - t - 1)
         assert (changed[:, t + 1 :] != target[:, t + 1 :]).any()
-        new_logits = tiny_model((source, changed)).numpy()
+        new_logits = to_numpy(tiny_model((source, changed)))
         np.testing.assert_allclose(new_logits[:, : t + 1], logits[:, : t + 1], atol=1e-5)
         # And the change is seen where it may be: the next position moves.
         assert np.abs(new_logits[:, t + 1] - logits[:, t + 1]).max() > 1e-4
@@ -27,11 +28,11 @@ def test_source_padding_changes_nothing(tiny_model):
     source = random_ids(rng, 3, 6)
     source[1, 4:] = 0  # rows of different lengths in one batch
     target = random_ids(rng, 3, 5)
-    logits = tiny_model((source, target)).numpy()
+    logits = to_numpy(tiny_model((source, target)))
     padded = np.pad(source, [(0, 0), (0, 5)])
-    np.testing.assert_allclose(tiny_model((padded, target)).numpy(), logits, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(tiny_model((padded, target))), logits, atol=1e-5)
     # Row 1 alone, with no padding at all, gives the same logits as in the batch.
-    alone = tiny_model((source[1:2, :4], target[1:2])).numpy()
+    alone = to_numpy(tiny_model((source[1:2, :4], target[1:2])))
     np.testing.assert_allclose(alone, logits[1:2], atol=1e-5)
 
 
@@ -39,9 +40,9 @@ def test_target_padding_changes_nothing_at_real_positions(tiny_model):
     rng = np.random.default_rng(2)
     source = random_ids(rng, 2, 6)
     target = random_ids(rng, 2, 5)
-    logits = tiny_model((source, target)).numpy()
+    logits = to_numpy(tiny_model((source, target)))
     padded = np.pad(target, [(0, 0), (0, 4)])
-    new_logits = tiny_model((source, padded)).numpy()
+    new_logits = to_numpy(tiny_model((source, padded)))
     np.testing.assert_allclose(new_logits[:, :5], logits, atol=1e-5)
 
 
@@ -51,10 +52,10 @@ def test_padding_is_never_attended_even_with_extreme_pad_embeddings(tiny_model):
     source = random_ids(rng, 2, 6)
     source[0, 3:] = 0
     target = random_ids(rng, 2, 4)
-    before = tiny_model((source, target)).numpy()
+    before = to_numpy(tiny_model((source, target)))
     table = tiny_model.target_embedding.token_embedding.embeddings
     table.assign(np.concatenate([np.full((1, table.shape[1]), 50.0, "float32"), table.numpy()[1:]]))
-    after = tiny_model((source, target)).numpy()
+    after = to_numpy(tiny_model((source, target)))
     # Column 0 is the pad logit itself, which the tied projection does change.
     np.testing.assert_allclose(after[..., 1:], before[..., 1:], atol=1e-4)
 
@@ -78,8 +79,8 @@ def test_encoder_classifier_ignores_right_padding_through_the_keras_mask():
     hidden, logits = classifier(source)
     padded_hidden, padded_logits = classifier(_right_padded(source, 5))
     real = source != 0
-    np.testing.assert_allclose(padded_hidden.numpy()[:, :6][real], hidden.numpy()[real], atol=1e-5)
-    np.testing.assert_allclose(padded_logits.numpy(), logits.numpy(), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(padded_hidden)[:, :6][real], to_numpy(hidden)[real], atol=1e-5)
+    np.testing.assert_allclose(to_numpy(padded_logits), to_numpy(logits), atol=1e-5)
 
 
 def test_functional_decoder_ignores_source_padding_through_the_keras_mask():
@@ -94,5 +95,5 @@ def test_functional_decoder_ignores_source_padding_through_the_keras_mask():
     rng = np.random.default_rng(5)
     source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
     source[0, 3:] = 0
-    out = model([source, target]).numpy()
-    np.testing.assert_allclose(model([_right_padded(source, 4), target]).numpy(), out, atol=1e-5)
+    out = to_numpy(model([source, target]))
+    np.testing.assert_allclose(to_numpy(model([_right_padded(source, 4), target])), out, atol=1e-5)

@@ -5,44 +5,31 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
-from conftest import VOCAB, random_ids
+from conftest import VOCAB, random_ids, user_functional_model
+from portable.conftest import to_numpy
 
 D_MODEL, HEADS, D_FF = 16, 2, 32
-
-
-def _user_model():
-    """A user's own functional model: a classifier and a tagger built from our layers."""
-    source = keras.Input(shape=(None,), dtype="int32", name="source")
-    target = keras.Input(shape=(None,), dtype="int32", name="target")
-    embedding = kt.PositionalEmbedding(VOCAB, D_MODEL, dropout=0.1)
-    memory = kt.Encoder(2, D_MODEL, HEADS, D_FF)(embedding(source))
-    memory = kt.EncoderLayer(D_MODEL, HEADS, D_FF, norm_first=True)(memory)
-    x = kt.DecoderLayer(D_MODEL, HEADS, D_FF)(embedding(target), memory)
-    x = kt.Decoder(1, D_MODEL, HEADS, D_FF, norm_first=True)(x, memory)
-    x = kt.FeedForward(D_MODEL, D_FF)(x)
-    x = kt.MultiHeadAttention(num_heads=HEADS, key_dim=D_MODEL // HEADS)(x, memory)
-    return keras.Model([source, target], keras.layers.Dense(3)(x))
 
 
 def test_user_functional_model_saves_and_loads(tmp_path):
     rng = np.random.default_rng(0)
     source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
     source[0, 4:] = 0
-    model = _user_model()
-    before = model([source, target]).numpy()
+    model = user_functional_model(VOCAB, D_MODEL, HEADS, D_FF)
+    before = to_numpy(model([source, target]))
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
-    np.testing.assert_allclose(loaded([source, target]).numpy(), before, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(loaded([source, target])), before, atol=1e-6)
 
 
 def test_transformer_saves_and_loads(tmp_path, tiny_model):
     rng = np.random.default_rng(1)
     source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
-    before = tiny_model((source, target)).numpy()
+    before = to_numpy(tiny_model((source, target)))
     tiny_model.save(tmp_path / "t.keras")
     loaded = keras.models.load_model(tmp_path / "t.keras")
     assert isinstance(loaded, kt.Transformer)
-    np.testing.assert_allclose(loaded((source, target)).numpy(), before, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
 
 
 def test_compiled_transformer_reloads_with_loss_metric_and_schedule(tmp_path, tiny_model):
