@@ -107,11 +107,13 @@ from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
 
 from bench.served_speed import cpu_line, time_alternating  # noqa: E402
 from export.translate import SavedModelTranslator, resolve_saved_model  # noqa: E402
-from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path, with_dtype_policy  # noqa: E402
-from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from export.engine_weights import engine_model  # noqa: E402
+from export.search import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path  # noqa: E402
 from keras_transformer.embedding import positional_encoding  # noqa: E402
 from keras_transformer.residual import LAYER_NORM_EPSILON  # noqa: E402
-from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, encode_source, read_lines  # noqa: E402
+from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, read_lines  # noqa: E402
+from export.tokenizer import encode_source
 
 # Written next to the CTranslate2 model: what `compare` needs to know of the model it came from.
 SIDECAR_FILENAME = "keras_transformer.json"
@@ -254,7 +256,7 @@ def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length,
     end = tf.fill([pieces.nrows(), 1], END_ID)
     target_in = tf.concat([start, pieces], axis=1).to_tensor(PAD_ID)
     target_out = tf.concat([pieces, end], axis=1)
-    log_probs = tf.nn.log_softmax(with_dtype_policy(model, "float32")((source_ids, target_in), training=False))
+    log_probs = tf.nn.log_softmax(engine_model(model, "float32")((source_ids, target_in), training=False))
     ours = tf.gather(log_probs, target_out.to_tensor(PAD_ID), batch_dims=2).numpy()
 
     differences, token_mismatches = [], 0

@@ -32,14 +32,14 @@ XLA compiles once per input shape, so the source is padded to a multiple of
 a few dozen shapes, each compiled on first use (2-5 s). Float32, because in
 bfloat16 the compiled search gave a sentence a different translation in a
 batch of 3 than alone (XLA rounds bfloat16 differently per shape); float32 is
-9% slower there at batch 1. It runs `xla_decoding_copy(model)`, whose output
-projection is stored `[d_model, vocab]`, the layout XLA's CPU matmul reads
-fastest. TF Serving runs it only when started with
-`--xla_cpu_compilation_enabled`.
+9% slower there at batch 1. It runs `engine_model(model, "float32",
+untie_output_projection=True)`, whose output projection is stored
+`[d_model, vocab]`, the layout XLA's CPU matmul reads fastest. TF Serving
+runs it only when started with `--xla_cpu_compilation_enabled`.
 
 With `parallel_loops` N > 1 (`kt-export --parallel-loops`; by default the
 exporting machine's CPUs, at most 8), the graph decoder splits a batch into N
-decoding loops that run at once (`keras_transformer.parallel_decode`): a
+decoding loops that run at once (`export.search.parallel_decode`): a
 step is ~400 small ops run one after another, so one loop keeps about one
 core busy. Serve it with N inter-op threads and 1 intra-op thread
 (`--tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1`).
@@ -70,11 +70,11 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-import keras_transformer as kt
+from export.engine_weights import engine_model
+from export.search import beam_search, greedy_decode, parallel_decode
 from keras_transformer.hardware import native_bf16_flags
-from keras_transformer.linear import weight
-from keras_transformer.text import END_ID, PAD_ID, START_ID, decode_output, encode_source, make_tokenizer
-from keras_transformer.text import read_tokenizer_proto, source_from_pieces
+from export.tokenizer import decode_output, encode_source, make_tokenizer, source_from_pieces
+from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
 
 # The files of a model directory.
 CONFIG_FILENAME = "config.json"
@@ -88,6 +88,9 @@ TOKENIZE_SIGNATURE = "tokenize"
 
 # The XLA decoder's source lengths are padded to a multiple of this, so it compiles for few shapes.
 XLA_LENGTH_MULTIPLE = 16
+# What the XLA decoder computes in, whatever the graph decoder's precision: in bfloat16 the compiled search
+# gave a sentence another translation in a batch of 3 than alone (XLA rounds bfloat16 differently per shape).
+XLA_DTYPE = "float32"
 
 
 # ------------------------------------------------------------ model directory
@@ -170,50 +173,6 @@ def decode_loops(parallel_loops="auto", cpus=None) -> tuple[int, str]:
         f" (at most {MAX_AUTO_LOOPS} loops)" if cpus > MAX_AUTO_LOOPS else "")
 
 
-def with_dtype_policy(model, policy):
-    """`model` with its weights, computing under the Keras dtype `policy` (None: `model` itself).
-
-    For decoding, "bfloat16" (weights stored in bfloat16) rather than
-    mixed_bfloat16: the same bfloat16 matmuls, minus a cast of every weight
-    at every decoding step (8% of a step's time on CPU).
-    """
-    if policy is None or model.dtype_policy.name == policy:
-        return model
-    clone = _rebuilt(model, dtype=policy)
-    clone.set_weights(model.get_weights())
-    return clone
-
-
-def xla_decoding_copy(model):
-    """`model` in float32 for the XLA decoder, with a tied output projection stored untied: a
-    `Dense` whose kernel is the target embedding transposed, `[d_model, vocab]`, and whose bias is 0.
-
-    The logits are the same products, x E^T. XLA's CPU matmul reads them faster from
-    `[d_model, vocab]` than from the embedding's `[vocab, d_model]`: on a 2-core EPYC,
-    greedy at batch 1 1.21x, beam 4 at batch 1 1.17x, greedy at batch 8 1.08x, the same
-    tokens (BENCHMARKS.md, "The XLA decoder's output projection"). It costs the export
-    one more `[d_model, vocab]` float32 variable.
-    """
-    clone = _rebuilt(model, dtype="float32", tie_output_embedding=False)
-    for name in ("source_embedding", "target_embedding", "encoder", "decoder"):
-        if getattr(model, name) is not None:
-            getattr(clone, name).set_weights(getattr(model, name).get_weights())
-    if model.output_projection is not None:
-        clone.output_projection.set_weights(model.output_projection.get_weights())
-    else:
-        embeddings = weight(model.target_embedding.token_embedding.embeddings, tf.float32)
-        clone.output_projection.kernel.assign(tf.transpose(embeddings))
-        clone.output_projection.bias.assign(tf.zeros_like(clone.output_projection.bias))
-    return clone
-
-
-def _rebuilt(model, **overrides):
-    """A new, built model of `model`'s class and config, `overrides` replacing config entries; its own weights."""
-    clone = type(model).from_config(model.get_config() | overrides)
-    clone.build()
-    return clone
-
-
 # ----------------------------------------------------------------- translator
 
 
@@ -223,7 +182,7 @@ class Translator(tf.Module):
     Args:
         model: a built `keras_transformer.Transformer`.
         tokenizer: a `tensorflow_text.SentencepieceTokenizer` from
-            `keras_transformer.text.make_tokenizer` (its special ids are the
+            `export.tokenizer.make_tokenizer` (its special ids are the
             start and end ids decoding uses).
         max_source_length: most source tokens, end id included (config.json
             `max_length`); longer inputs are truncated. None: no limit.
@@ -237,7 +196,7 @@ class Translator(tf.Module):
         xla_max_batch: batches of at most this many sentences decode in an
             XLA-compiled function (see the module docstring); 0: never.
         xla_model: the model that function runs (`from_model_dir` gives
-            `xla_decoding_copy(model)`); default `model`.
+            `engine_model(model, "float32", untie_output_projection=True)`); default `model`.
         parallel_loops: a batch decodes in this many loops at once, outside
             XLA (see the module docstring); 1: one loop; "auto": see
             `decode_loops`.
@@ -298,12 +257,12 @@ class Translator(tf.Module):
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
                        precision="auto", xla_max_batch=0, parallel_loops=1):
         """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
-        in `precision` (see `decode_policy`); with `xla_max_batch`, small batches under XLA in float32
-        (`xla_decoding_copy`);
-        `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
+        in `precision` (see `decode_policy`; the weights are mapped by `engine_model`); with
+        `xla_max_batch`, small batches under XLA in float32, the output projection stored
+        `[d_model, vocab]`; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
-        model = with_dtype_policy(loaded, decode_policy(precision)[0])
-        xla_model = xla_decoding_copy(loaded) if xla_max_batch else None
+        model = engine_model(loaded, decode_policy(precision)[0])
+        xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
@@ -320,15 +279,15 @@ class Translator(tf.Module):
 
     def _beam(self, source_ids, model=None):
         model = self._model() if model is None else model
-        return kt.parallel_decode(
-            lambda ids: kt.beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
-                                       use_cache=self.use_cache),
+        return parallel_decode(
+            lambda ids: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
+                                    use_cache=self.use_cache),
             source_ids, self.parallel_loops)
 
     def _greedy(self, source_ids, model=None):
         model = self._model() if model is None else model
-        return kt.parallel_decode(
-            lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha, use_cache=self.use_cache),
+        return parallel_decode(
+            lambda ids: greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha, use_cache=self.use_cache),
             source_ids, self.parallel_loops)
 
     def _decode(self, source, decode, xla_decode):

@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import keras_transformer as kt
 from conftest import QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
 from conftest import REPO, SUBPROCESS_ENV as ENV
 from conftest import multi30k_lines as _lines
 from conftest import needs_multi30k, run_tf1, write_lines
 from export import graph_ops
 from export.export_model import export, next_version
-from export.translator import decode_policy, load_model_dir, with_dtype_policy
-from keras_transformer.text import END_ID, START_ID, encode_source
+from export.engine_weights import engine_model
+from export.search import beam_search, greedy_decode
+from export.translator import decode_policy, load_model_dir
+from keras_transformer.text import END_ID, START_ID
+from export.tokenizer import encode_source
 
 pytestmark = needs_multi30k
 
@@ -46,20 +48,21 @@ def _unb64(items):
     return [base64.b64decode(x) for x in items]
 
 
-def library_translations(model_dir, texts, beam_size=4):
-    """Reference: the Keras model + kt.beam_search/greedy_decode in process, detokenized with the
-    sentencepiece Python package (no Translator involved), in the precision kt-export decodes in here."""
+def engine_translations(model_dir, texts, beam_size=4):
+    """Reference: the serving engine's beam_search/greedy_decode (export/search.py) in process, detokenized
+    with the sentencepiece Python package (no Translator involved), in the precision kt-export decodes in
+    here. (That the engine decodes what the library decodes is tests/test_engine.py's contract.)"""
     import sentencepiece as spm
 
     model, tokenizer, cfg = load_model_dir(model_dir)
-    model = with_dtype_policy(model, decode_policy("auto")[0])
+    model = engine_model(model, decode_policy("auto")[0])
 
     @tf.function
     def decode(texts):
         source = encode_source(tokenizer, texts, cfg["max_length"]).to_tensor(0)
         if beam_size == 1:
-            return kt.greedy_decode(model, source, START_ID, END_ID)
-        return kt.beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
+            return greedy_decode(model, source, START_ID, END_ID)
+        return beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
 
     tokens, scores = decode(tf.constant(texts))
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
@@ -87,7 +90,7 @@ def test_next_version(tmp_path):
     assert next_version(tmp_path) == 13
 
 
-def test_tf1_session_loader_serves_text_like_the_library(exported, model_dir, tmp_path):
+def test_tf1_session_loader_serves_text_like_the_engine_in_process(exported, model_dir, tmp_path):
     """Must-show 1 and 4, and batch invariance (3) through the TF1 loader TF Serving uses."""
     sentences = _lines("val.en", 512)
     few = sentences[:6]
@@ -107,9 +110,9 @@ def test_tf1_session_loader_serves_text_like_the_library(exported, model_dir, tm
     beam, greedy, bad_out, replaced_out, tokenized, empty, batch_512 = result["runs"][:7]
     singles = result["runs"][7:]
 
-    # 1. Same translations as the in-process library (beam 4 and greedy), scores to float precision.
-    ref_beam, ref_beam_scores = library_translations(model_dir, few, beam_size=4)
-    ref_greedy, ref_greedy_scores = library_translations(model_dir, few, beam_size=1)
+    # 1. Same translations as the in-process engine (beam 4 and greedy), scores to float precision.
+    ref_beam, ref_beam_scores = engine_translations(model_dir, few, beam_size=4)
+    ref_greedy, ref_greedy_scores = engine_translations(model_dir, few, beam_size=1)
     assert _unb64(beam["translation"]) == ref_beam
     np.testing.assert_allclose(beam["score"], ref_beam_scores, rtol=1e-4, atol=1e-4)
     assert _unb64(greedy["translation"]) == ref_greedy
@@ -161,7 +164,7 @@ def test_every_op_is_core_tensorflow_or_tensorflow_text(exported):
 
 def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, tmp_path):
     """kt-export --xla-max-batch 4: through the TF1 session loader (TF Serving's), a batch of 1 to 4
-    sentences gets what the library's search compiled with XLA in float32 gives each sentence alone
+    sentences gets what the engine's search compiled with XLA in float32 gives each sentence alone
     (its source padded to 16 tokens: the batch padding changes nothing), a larger batch what the export
     without XLA gives; the op check passes its XLA ops only when told the server runs XLA."""
     import sentencepiece as spm
@@ -172,10 +175,10 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
     served = run_tf1(path, requests, tmp_path)["runs"]
 
     model, tokenizer, cfg = load_model_dir(model_dir)
-    model = with_dtype_policy(model, "float32")
+    model = engine_model(model, "float32")
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
-    compiled = {"greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID), jit_compile=True),
-                "serving_default": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4),
+    compiled = {"greedy": tf.function(lambda s: greedy_decode(model, s, START_ID, END_ID), jit_compile=True),
+                "serving_default": tf.function(lambda s: beam_search(model, s, START_ID, END_ID, beam_size=4),
                                                jit_compile=True)}
 
     def alone_under_xla(signature, text):
@@ -249,7 +252,19 @@ def test_kt_translate_cli(exported, tmp_path):
     expected_text = [t.decode("utf-8") for t in expected["translation"].numpy().tolist()]
     got = [row for row in rows if row != ["", ""]]
     assert [t for _, t in got] == expected_text
-    np.testing.assert_allclose([float(s) for s, _ in got], expected["score"].numpy(), atol=1e-3)
+    _assert_scores_match_in_any_batch([float(s) for s, _ in got], expected["score"].numpy())
+
+
+def _assert_scores_match_in_any_batch(batched_scores, whole_batch_scores):
+    """kt-translate's scores (batches of 8) against the signature's over one batch of them all."""
+    if decode_policy("auto")[0] == "bfloat16":
+        # Issue 27, item 3: in bfloat16 a sentence's score (and, rarely, its translation) can depend on the
+        # batch it is decoded in; the quick model trained on this code shows it (0.012 on one sentence, the
+        # same with a0afafa's export code). Strict: this fails once bfloat16 decoding is batch-invariant.
+        if not np.allclose(batched_scores, whole_batch_scores, atol=1e-3):
+            pytest.xfail("issue 27: bfloat16 scores depend on the batch")
+        raise AssertionError("bfloat16 scores no longer depend on the batch: drop this xfail (issue 27)")
+    np.testing.assert_allclose(batched_scores, whole_batch_scores, atol=1e-3)
 
 
 @pytest.fixture

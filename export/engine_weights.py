@@ -1,0 +1,105 @@
+"""The model the serving engine decodes with: a trained model's weights, mapped into the precision and layout
+the engine computes fastest in.
+
+One mapping, `engine_model`, for every copy the export makes:
+
+- the graph decoder's, in the Keras dtype policy `decode_policy` picks for the CPU ("bfloat16" where it
+  computes bfloat16 natively, else "float32"), whatever policy the model was trained in;
+- the XLA decoder's (`kt-export --xla-max-batch`), in float32 with the output projection stored
+  `[d_model, vocab]` (`untie_output_projection=True`).
+
+Weights are copied by their path (`variable.path`, the name a `.keras` file stores them under, without
+the model's own name), and the mapping fails loudly, naming the weights, when a weight of the model is
+not copied or a weight of the copy is not written: a layer the library adds, renames or drops must
+show here, not as a copy decoding with its initial weights.
+"""
+
+import keras
+import numpy as np
+
+
+def engine_model(model, dtype=None, untie_output_projection=False):
+    """`model`'s weights in a model of its class and config computing under the Keras dtype policy `dtype`.
+
+    Args:
+        model: a built `keras_transformer.Transformer`.
+        dtype: the Keras dtype policy of the copy: "bfloat16" (weights stored in bfloat16) rather than
+            mixed_bfloat16 for a bfloat16 decode: the same bfloat16 matmuls, minus a cast of every
+            weight at every decoding step (8% of a step's time on CPU); "float32" for the XLA decoder;
+            None: `model`'s own.
+        untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
+            becomes an untied `Dense` whose kernel is the embedding transposed, `[d_model, vocab]`,
+            and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul reads them
+            faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`: on a 2-core
+            EPYC, greedy at batch 1 1.21x, beam 4 at batch 1 1.17x, greedy at batch 8 1.08x, the same
+            tokens (BENCHMARKS.md, "The XLA decoder's output projection"). It costs the export one
+            more `[d_model, vocab]` float32 variable.
+
+    Returns:
+        `model` itself when nothing changes (its policy is `dtype`, and its projection is untied or
+        stays tied), else a new built model holding `model`'s weights, cast to `dtype`.
+
+    Raises:
+        ValueError: naming the weights, when a weight of `model` has no place in the copy or a weight
+            of the copy gets no value.
+    """
+    dtype = model.dtype_policy.name if dtype is None else dtype
+    untie = untie_output_projection and model.output_projection is None
+    if dtype == model.dtype_policy.name and not untie:
+        return model
+    overrides = {"dtype": dtype, **({"tie_output_embedding": False} if untie else {})}
+    copy = type(model).from_config(model.get_config() | overrides)
+    copy.build()
+    values = {path: _numpy(variable) for path, variable in _weights_by_path(model).items()}
+    if untie:
+        embeddings = _relative_path(model.target_embedding.token_embedding.embeddings, model)
+        projection = copy.output_projection
+        values[_relative_path(projection.kernel, copy)] = np.transpose(values[embeddings])
+        values[_relative_path(projection.bias, copy)] = np.zeros(projection.bias.shape, values[embeddings].dtype)
+    assign_by_path(copy, values)
+    return copy
+
+
+def assign_by_path(model, values):
+    """Writes `values` (`{path relative to the model: array}`) into `model`'s weights, each cast to its
+    weight's dtype as `Layer.set_weights` casts; a ValueError names the values that no weight takes
+    and the weights that no value reaches."""
+    weights = _weights_by_path(model)
+    unmapped = sorted(set(values) - set(weights))
+    unassigned = sorted(set(weights) - set(values))
+    if unmapped or unassigned:
+        raise ValueError(
+            f"The weight mapping into {type(model).__name__} '{model.name}' is incomplete: "
+            + "; ".join(message for message in (
+                unmapped and f"weights with no place in the copy: {', '.join(unmapped)}",
+                unassigned and f"weights of the copy given no value: {', '.join(unassigned)}",
+            ) if message)
+        )
+    for path, weight in weights.items():
+        if tuple(weight.shape) != tuple(np.shape(values[path])):
+            raise ValueError(f"Weight {path}: the copy's shape is {tuple(weight.shape)}, "
+                             f"the value's {tuple(np.shape(values[path]))}.")
+        weight.assign(values[path])
+
+
+def _weights_by_path(model):
+    """`{path relative to the model: weight}` for every weight of `model`; a repeated path is an error."""
+    weights = {}
+    for weight in model.weights:
+        path = _relative_path(weight, model)
+        if path in weights:
+            raise ValueError(f"Two weights of {type(model).__name__} '{model.name}' have the path {path}.")
+        weights[path] = weight
+    return weights
+
+
+def _relative_path(weight, model):
+    """`weight.path` without the model's name in front (a copy may be named otherwise)."""
+    prefix = f"{model.name}/"
+    return weight.path[len(prefix):] if weight.path.startswith(prefix) else weight.path
+
+
+def _numpy(variable):
+    """A weight's value as `Model.get_weights` gives it: copied from the weight's own dtype, so a float32
+    weight cast into a bfloat16 copy rounds once, as `set_weights(get_weights())` rounded it."""
+    return keras.ops.convert_to_numpy(variable)

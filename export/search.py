@@ -1,0 +1,652 @@
+"""The serving engine's searches: greedy decoding and beam search as `tf.while_loop`s over
+`export.step.decode_step`, and `parallel_decode`, a batch in N loops at once.
+
+They are the library's searches (`keras_transformer.greedy_decode` / `beam_search`: in float32 the
+same tokens, and the same scores to float precision, tests/test_engine.py), written for a TensorFlow
+serving graph on CPU, which is why they live in `export/`:
+
+- outside XLA, sentences that are done leave the batch (about a third of a length-sorted batch's
+  row-steps were spent on sentences already done), and the self-attention cache grows with the output;
+  under XLA (`tf.function(jit_compile=True)`, `kt-export --xla-max-batch`) every shape is fixed: every
+  row stays, the cache is a buffer for the longest output, and the output bound is read from the
+  source's static padded length;
+- each step reads the vocabulary twice (the log-softmax, then a top-k by blocks, `_top_k`), and the
+  bans (padding; only the end token at the length limit) apply to each row's best few tokens;
+- `parallel_decode` splits a batch into independent loops the executor runs at once.
+
+Everything is core TensorFlow (plus XLA's ops only under `jit_compile`), so the loops export to a
+SavedModel that the stock TF Serving model server runs. Padding masks come from the source ids.
+
+Scores are log P(output | source) / lp(output), with the length penalty
+lp(y) = ((5 + |y|) / 6)^alpha (Wu et al., 2016; tensor2tensor), |y| counting
+the end token. Beam search ranks finished hypotheses by it; greedy decoding
+reports the same quantity so the two compare.
+"""
+
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from export.step import decode_step, init_cache, uncached_logits
+from export.tf_internals import in_xla_context
+from keras_transformer.masking import PAD_ID
+
+# Default room for the output: source length + 50 tokens (paper section 6.1).
+EXTRA_OUTPUT_LENGTH = 50
+_NEG = -1e9
+
+
+def length_penalty(length, alpha):
+    """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
+    return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, alpha)
+
+
+# ------------------------------------------------------------------ greedy decoding
+
+
+class _GreedyState(NamedTuple):
+    """The greedy loop's state. The fields from `rows` to `cache` are the rows still decoding (all
+    rows under XLA; outside it, finished rows leave, so a step computes only what is still needed);
+    `tokens`, `log_prob_out` and `lengths_out` hold every row of the batch."""
+
+    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
+    rows: tf.Tensor  # [active] each active row's row in the batch
+    last: tf.Tensor  # [active] the token at `cache_index`
+    finished: tf.Tensor  # [active] bool: the end token is out (always False once rows leave)
+    log_prob: tf.Tensor  # [active] log P(output so far)
+    lengths: tf.Tensor  # [active] output tokens, the end token included
+    memory: Any  # (encoder output, source padding mask, output limits) of the active rows
+    cache: Any  # export.step.init_cache of the active rows, or {} without the cache
+    tokens: tf.Tensor  # [batch, steps] the output, padding after the end token
+    log_prob_out: tf.Tensor  # [batch] each row's log_prob, as of its last step
+    lengths_out: tf.Tensor  # [batch] each row's length, as of its last step
+
+
+# The greedy fields of the active rows, which a finished row leaves.
+_GREEDY_ROW_FIELDS = ("rows", "last", "finished", "log_prob", "lengths", "memory")
+
+
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True):
+    """Batched greedy decoding with the key/value cache.
+
+    Args:
+        model: a `keras_transformer.Transformer`.
+        source_ids: int `[batch, source_len]`, padded with 0.
+        start_id, end_id: the target's start and end token ids.
+        max_length: most output tokens (end token included); by default each
+            sentence gets its own source length + 50. Never more than the
+            model's `max_length` with learned positions (its table ends there).
+        alpha: length-penalty exponent for the reported score.
+        use_cache: False recomputes the whole prefix every step (same tokens,
+            slower; for checks and benchmarks).
+
+    Returns:
+        tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at
+            the limit) and padded with 0 after it; no start token.
+        scores: float32 `[batch]`, log-probability / length penalty.
+
+    Wrap the call in `tf.function` for speed.
+    """
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    batch_size = tf.shape(encoder_output)[0]
+    next_logits = _next_logits_fn(model, start_id, use_cache)
+
+    def step(state):
+        encoder_output, source_mask, limits = state.memory
+        outputs = tf.gather(state.tokens, state.rows) if not use_cache else None
+        logits, cache = next_logits(state.cache_index, state.last, outputs, state.cache, encoder_output, source_mask)
+        best = _most_likely_token(logits, state.cache_index + 1 >= limits, end_id)
+        token, _, log_prob, ends = _greedy_step(
+            best, state.cache_index, None, state.log_prob, state.finished, end_id
+        )
+        lengths = state.lengths + tf.cast(~state.finished, tf.int32)
+        at = tf.stack([state.rows, tf.fill(tf.shape(state.rows), state.cache_index)], axis=1)
+        state = state._replace(
+            cache_index=state.cache_index + 1,
+            last=token,
+            finished=state.finished | ends,
+            log_prob=log_prob,
+            lengths=lengths,
+            cache=cache,
+            tokens=tf.tensor_scatter_nd_update(state.tokens, at, token),
+            log_prob_out=tf.tensor_scatter_nd_update(state.log_prob_out, state.rows[:, None], log_prob),
+            lengths_out=tf.tensor_scatter_nd_update(state.lengths_out, state.rows[:, None], lengths),
+        )
+        # Finished rows leave (outside XLA): rows that were finished left at their last step, so the
+        # rows finished now are those that just ended.
+        return _leave_when_done(state, state.finished, _GREEDY_ROW_FIELDS)
+
+    def not_done(state):
+        return tf.logical_and(state.cache_index < steps, tf.logical_not(tf.reduce_all(state.finished)))
+
+    state = _GreedyState(
+        cache_index=tf.constant(0),
+        rows=tf.range(batch_size),
+        last=tf.fill([batch_size], tf.cast(start_id, tf.int32)),
+        finished=tf.zeros([batch_size], tf.bool),
+        log_prob=tf.zeros([batch_size], tf.float32),
+        lengths=tf.zeros([batch_size], tf.int32),
+        memory=(encoder_output, source_mask, limits),
+        cache=init_cache(model, encoder_output, _cache_length(steps)) if use_cache else {},
+        tokens=tf.zeros([batch_size, steps], tf.int32),
+        log_prob_out=tf.zeros([batch_size], tf.float32),
+        lengths_out=tf.zeros([batch_size], tf.int32),
+    )
+    state = _while_loop(not_done, step, state)
+    return _trim(state.tokens), state.log_prob_out / length_penalty(state.lengths_out, alpha)
+
+
+# ------------------------------------------------------------------ beam search
+
+
+class _BeamState(NamedTuple):
+    """The beam loop's state; every field but `cache_index` has the batch (sentences) first.
+
+    A sentence has k + 1 rows: its k beams, then its greedy hypothesis. The
+    batch is the sentences still searching (all of them under XLA; outside
+    it, a sentence leaves once it is done), except in `best_tokens` and
+    `best_scores`, which hold every sentence of the input.
+    """
+
+    cache_index: tf.Tensor  # scalar: the position the decoder reads this step (0: the start token)
+    last: tf.Tensor  # [batch, k + 1] each row's token at `cache_index`
+    alive_tokens: tf.Tensor  # [batch, k, steps] the beams' outputs so far
+    alive_log_prob: tf.Tensor  # [batch, k] their log-probabilities, best first
+    finished_tokens: tf.Tensor  # [batch, k, steps] the best finished hypotheses
+    finished_scores: tf.Tensor  # [batch, k] their scores, best first; _NEG for none
+    num_finished: tf.Tensor  # [batch] how many beams have ended
+    beam_done: tf.Tensor  # [batch] bool: the beams can change nothing more
+    greedy_tokens: tf.Tensor  # [batch, steps] the greedy hypothesis
+    greedy_log_prob: tf.Tensor  # [batch]
+    greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
+    sentences: tf.Tensor  # [batch] each sentence's row in the input batch
+    limits: tf.Tensor  # [batch] each sentence's most output tokens
+    memory: Any  # (encoder output, source mask), one per sentence
+    cache: Any  # init_cache: self-attention per row [batch * (k + 1)], cross-attention per sentence; or {}
+    best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
+    best_scores: tf.Tensor  # [input batch] its score
+
+
+# The beam fields of the sentences still searching, which a done sentence leaves.
+_BEAM_SENTENCE_FIELDS = (
+    "last", "alive_tokens", "alive_log_prob", "finished_tokens", "finished_scores", "num_finished",
+    "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits", "memory")
+
+
+class _Candidates(NamedTuple):
+    """The 2k best one-token extensions of a sentence's k beams, best first, each `[batch, 2k, ...]`."""
+
+    log_prob: tf.Tensor  # [batch, 2k]
+    beam: tf.Tensor  # [batch, 2k] the beam it extends
+    token: tf.Tensor  # [batch, 2k] the token it adds
+    tokens: tf.Tensor  # [batch, 2k, steps] its whole output
+    ends: tf.Tensor  # [batch, 2k] bool: the token is the end token
+
+
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
+    """Batched beam search with the key/value cache and a length penalty.
+
+    Each step extends every live hypothesis by every token and keeps the
+    `2 * beam_size` best by log-probability. A candidate that ends with
+    `end_id` among the best `beam_size` is finished and scored with the length
+    penalty; the best `beam_size` that do not end stay alive. A sentence's
+    beam is done when it has `beam_size` finished hypotheses (or reaches its
+    length limit, where only `end_id` may come), or earlier, as soon as no live
+    hypothesis can still beat its best finished one.
+
+    Beam search alone can prune the greedy path and end below it, so each
+    sentence also carries its greedy hypothesis as one more row of the same
+    loop, and that hypothesis competes with the finished ones: the result is
+    never scored below `greedy_decode`'s, and beam size 1 is greedy decoding.
+
+    Args:
+        model: a `keras_transformer.Transformer`.
+        source_ids: int `[batch, source_len]`, padded with 0.
+        start_id, end_id: the target's start and end token ids.
+        beam_size: hypotheses kept per sentence (4 in the paper).
+        alpha: length-penalty exponent (0.6 in the paper).
+        max_length: most output tokens; by default source length + 50. Never
+            more than the model's `max_length` with learned positions.
+        use_cache: False recomputes the whole prefix every step (same result,
+            slower; for checks and benchmarks).
+
+    Returns:
+        tokens: int32 `[batch, length]`, the best finished hypothesis, padded
+            with 0 after `end_id`.
+        scores: float32 `[batch]`, its log-probability / length penalty.
+
+    Wrap the call in `tf.function` for speed.
+    """
+    k = beam_size
+    rows = k + 1  # per sentence: k beams, then the greedy hypothesis
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    batch_size = tf.shape(encoder_output)[0]
+    cache = init_cache(model, encoder_output, _cache_length(steps)) if use_cache else {}
+    if use_cache:
+        # Every hypothesis gets a row of the self-attention cache: [batch * rows, ...], sentence-major.
+        # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
+        cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache["self_attention"])
+    memory = (encoder_output, source_mask)
+    next_logits = _next_logits_fn(model, start_id, use_cache)
+
+    def step(state):
+        cache_index, limits, (encoder_output, source_mask) = state.cache_index, state.limits, state.memory
+        batch_size = tf.shape(state.last)[0]
+        outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
+        outputs = tf.reshape(outputs, [batch_size * rows, -1])
+        logits, cache = next_logits(
+            cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
+        )
+        best = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
+        best = _NextTokens(*(tf.reshape(x, [batch_size, rows, -1]) for x in best))
+
+        beams_best, greedy_best = _NextTokens(*(x[:, :k] for x in best)), _NextTokens(*(x[:, k] for x in best))
+
+        greedy_token, greedy_tokens, greedy_log_prob, greedy_ends = _greedy_step(
+            greedy_best, cache_index, state.greedy_tokens, state.greedy_log_prob, state.greedy_done, end_id
+        )
+        candidates = _beam_candidates(state.alive_log_prob, beams_best, state.alive_tokens, cache_index, end_id, k)
+        finished_tokens, finished_scores, num_finished = _finish(
+            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(cache_index + 1, alpha), k
+        )
+        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
+        if use_cache:
+            cache = _reorder_cache(cache, tf.concat([alive_beam, tf.fill([batch_size, 1], k)], axis=1))
+        state = _stop_early(state._replace(
+            cache_index=cache_index + 1,
+            last=tf.concat([alive_token, greedy_token[:, None]], axis=1),
+            alive_tokens=alive_tokens,
+            alive_log_prob=alive_log_prob,
+            finished_tokens=finished_tokens,
+            finished_scores=finished_scores,
+            num_finished=num_finished,
+            beam_done=state.beam_done | (num_finished >= k) | (cache_index + 1 >= limits),
+            greedy_tokens=greedy_tokens,
+            greedy_log_prob=greedy_log_prob,
+            greedy_done=state.greedy_done | greedy_ends,
+            cache=cache,
+            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, state.sentences[:, None], finished_tokens[:, 0]),
+            best_scores=tf.tensor_scatter_nd_update(state.best_scores, state.sentences[:, None], finished_scores[:, 0]),
+        ), alpha)
+        return _leave_when_done(state, state.beam_done & state.greedy_done, _BEAM_SENTENCE_FIELDS, rows)
+
+    def not_done(state):
+        return tf.logical_and(
+            state.cache_index < steps, tf.logical_not(tf.reduce_all(state.beam_done & state.greedy_done))
+        )
+
+    first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
+    state = _BeamState(
+        cache_index=tf.constant(0),
+        last=tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
+        alive_tokens=tf.zeros([batch_size, k, steps], tf.int32),
+        alive_log_prob=tf.tile(first_beam_only[None], [batch_size, 1]),
+        finished_tokens=tf.zeros([batch_size, k, steps], tf.int32),
+        finished_scores=tf.fill([batch_size, k], _NEG),
+        num_finished=tf.zeros([batch_size], tf.int32),
+        beam_done=tf.zeros([batch_size], tf.bool),
+        greedy_tokens=tf.zeros([batch_size, steps], tf.int32),
+        greedy_log_prob=tf.zeros([batch_size], tf.float32),
+        greedy_done=tf.zeros([batch_size], tf.bool),
+        sentences=tf.range(batch_size),
+        limits=limits,
+        memory=memory,
+        cache=cache,
+        best_tokens=tf.zeros([batch_size, steps], tf.int32),
+        best_scores=tf.fill([batch_size], _NEG),
+    )
+    state = _while_loop(not_done, step, state)
+    return _trim(state.best_tokens), state.best_scores
+
+
+def _beam_candidates(alive_log_prob, best, alive_tokens, cache_index, end_id, k):
+    """Every alive beam `[batch, k]` extended by its best tokens (`best`: `_NextTokens` `[batch, k, n]`): the best 2k.
+
+    2k, so that k remain alive even if k of them end. A beam's 2k best
+    tokens are all its candidates that can be among them.
+    """
+    batch_size, n = tf.shape(alive_log_prob)[0], tf.shape(best.token)[-1]
+    log_prob, index = tf.math.top_k(tf.reshape(alive_log_prob[:, :, None] + best.log_prob, [batch_size, -1]), 2 * k)
+    beam, token = index // n, tf.gather(tf.reshape(best.token, [batch_size, -1]), index, batch_dims=1)
+    tokens = _write_column(tf.gather(alive_tokens, beam, batch_dims=1), cache_index, token)
+    return _Candidates(log_prob, beam, token, tokens, tf.equal(token, end_id))
+
+
+def _finish(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k):
+    """The best k finished hypotheses once the ending candidates among the best k, and a
+    greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
+
+    Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
+    the sentences' counts of finished beams `[batch]`.
+    """
+    # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
+    # runs a top_k as its fast TopK kernel only if no slice is taken of the result
+    # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
+    # The k extra candidates score _NEG after the finished ones, so no choice changes.
+    newly_finished = (
+        candidates.ends & _first(k, 2 * k) & ~state.beam_done[:, None] & (candidates.log_prob > _NEG / 2)
+    )
+    new_scores = tf.where(newly_finished, candidates.log_prob / penalty, _NEG)
+    greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+    scores, best = tf.math.top_k(tf.concat([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
+    tokens = tf.gather(
+        tf.concat([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
+    )
+    return tokens, scores, state.num_finished + tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
+
+
+def _keep_alive(candidates, k):
+    """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
+    `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
+    log_prob, keep = tf.math.top_k(tf.where(candidates.ends, _NEG, candidates.log_prob), k)
+    kept = [tf.gather(values, keep, batch_dims=1) for values in (candidates.tokens, candidates.beam, candidates.token)]
+    return (log_prob, *kept)
+
+
+def _reorder_cache(cache, source_row):
+    """Each row takes the self-attention keys/values of row `source_row` `[batch, rows]` of its sentence."""
+    batch_size, rows = tf.shape(source_row)[0], tf.shape(source_row)[1]
+    reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
+    return {
+        "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
+        # Identical for every row of a sentence: nothing to reorder.
+        "cross_attention": cache["cross_attention"],
+    }
+
+
+def _stop_early(state, alpha):
+    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
+
+    A log-probability only falls as a hypothesis grows, so its best possible
+    score is now over the largest penalty it can still reach (it has
+    `cache_index` tokens now, its limit at most). The result is
+    unchanged; the loop just ends sooner.
+    """
+    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(state.limits, alpha))
+    best_finished = state.finished_scores[:, 0]
+    return state._replace(
+        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
+        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
+    )
+
+
+# ------------------------------------------------------------------ what both searches share
+
+
+def _prepare(model, source_ids, max_length):
+    """Encoder output, padding mask, per-sentence output limits `[batch]` and the loop's most steps."""
+    source_ids = tf.convert_to_tensor(source_ids)
+    if source_ids.shape.rank != 2:
+        raise ValueError(f"Decoding expects source_ids of shape [batch, source_len], got shape {source_ids.shape}.")
+    source_ids = tf.cast(source_ids, tf.int32)
+    source_mask = tf.not_equal(source_ids, PAD_ID)
+    if not model.built:  # a model never called: decoding may be the first thing it does
+        model.build()
+
+    def output_bound(source_length):
+        """Most output tokens for a source of `source_length`: + 50, or `max_length`; at least 1."""
+        bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else tf.cast(max_length, tf.int32)
+        if model.learned_positions:
+            # Output i is read from decoder position i, and a learned table has max_length positions.
+            bound = tf.minimum(bound, model.max_length)
+        return tf.maximum(bound, 1)
+
+    # Per sentence, so a sentence decodes the same alone or in any batch.
+    limits = tf.broadcast_to(output_bound(tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)),
+                             [tf.shape(source_ids)[0]])
+    if in_xla_context():
+        # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
+        # from the data, and buffers sized by it made the compiled loop 8x slower (greedy, batch 64).
+        steps = output_bound(tf.shape(source_ids)[1])
+    else:
+        steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
+    return model.encode(source_ids, training=False), source_mask, limits, steps
+
+
+def _next_logits_fn(model, start_id, use_cache):
+    """`(cache_index, last [rows], outputs [rows, steps], cache, encoder_output, source_mask)
+    -> (logits [rows, vocab], cache)`.
+
+    With the cache, one decoder step for the token at position `cache_index`.
+    Without it, the whole prefix again (start id + outputs so far), as
+    decoding is defined: the slow reference the cache must equal.
+    """
+    if use_cache:
+        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
+            return decode_step(model, last, cache_index, source_mask, cache)
+    else:
+        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
+            start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
+            prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
+            # The sentence's memory once per row (beam search keeps one per sentence).
+            rows = tf.shape(outputs)[0] // tf.shape(encoder_output)[0]
+            encoder_output, source_mask = (tf.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
+            return uncached_logits(model, prefix, encoder_output, source_mask)[:, cache_index], cache
+    return next_logits
+
+
+class _NextTokens(NamedTuple):
+    """Each row's most likely next tokens, best first, each `[rows, n]`."""
+
+    log_prob: tf.Tensor  # log P(token | the row so far): log-softmax over the whole vocabulary
+    token: tf.Tensor
+
+
+def _block_length(vocab_size, n):
+    """The block length `_top_k` splits a row of `vocab_size` logits into, for its `n` largest.
+
+    A divisor d of the vocabulary size, so the row reshapes into blocks
+    without a copy, with the fewest elements for the two small top_k's
+    (vocab / d block maxima, then n blocks of d); None where no divisor
+    halves the elements of a top_k over the whole row (a prime size).
+    """
+    if vocab_size is None:
+        return None
+    cost = {d: vocab_size // d + n * d for d in range(2, vocab_size // n + 1) if vocab_size % d == 0}
+    best = min(cost, key=cost.get, default=None)
+    return best if best is not None and cost[best] < vocab_size // 2 else None
+
+
+def _top_k(values, n):
+    """`tf.math.top_k(values, n)` of `[rows, vocab]`: the n largest of each row and their ids, best
+    first, ties to the lower id.
+
+    TF's CPU TopK costs ~3 ns per element whatever n is: 8.5 ms a step over
+    [320, 8000] (beam 4 at batch 64, Multi30k's vocabulary). The n largest
+    lie in the n blocks with the largest maxima, so top_k runs over the block
+    maxima, then over those n blocks only: 2.0-2.5 ms, and exact.
+    """
+    block = _block_length(values.shape[-1], n)
+    if block is None:
+        return tf.math.top_k(values, n)
+    rows, num_blocks = tf.shape(values)[0], values.shape[-1] // block
+    blocks = tf.reshape(values, [rows, num_blocks, block])
+    _, best_blocks = tf.math.top_k(tf.reduce_max(blocks, axis=-1), n)
+    best_blocks = tf.sort(best_blocks, axis=-1)  # in id order, so ties still go to the lower id
+    top, index = tf.math.top_k(tf.reshape(tf.gather(blocks, best_blocks, batch_dims=1), [rows, n * block]), n)
+    return top, tf.gather(best_blocks, index // block, batch_dims=1) * block + index % block
+
+
+def _most_likely_token(logits, at_limit, end_id):
+    """Each row's most likely next token (`_NextTokens` `[rows, 1]`) from float32 logits `[rows, vocab]`.
+
+    Never padding; at its limit (`at_limit` `[rows]` bool, or None for no
+    limits) a row may only end. Its log-probability is the log-softmax over
+    the whole vocabulary. The bans cost a pass over [rows, vocab] for the
+    padding column and none for the limit, where a mask of every banned
+    token cost three.
+    """
+    log_probs = tf.nn.log_softmax(logits, axis=-1)
+    token = tf.argmax(log_probs + _padding_bias(logits), axis=-1, output_type=tf.int32)
+    if at_limit is not None:
+        token = tf.where(at_limit, end_id, token)
+    return _NextTokens(tf.gather(log_probs, token, batch_dims=1)[:, None], token[:, None])
+
+
+def _padding_bias(logits):
+    """`[vocab]` for logits `[rows, vocab]`: _NEG at the padding id, 0 elsewhere (a constant if vocab is static)."""
+    vocab_size = logits.shape[-1] if logits.shape[-1] is not None else tf.shape(logits)[-1]
+    return tf.one_hot(PAD_ID, vocab_size, on_value=_NEG, off_value=0.0)
+
+
+def _next_tokens(logits, at_limit, end_id, n):
+    """Each row's `n` most likely next tokens (`_NextTokens` `[rows, n]`) from float32 logits `[rows, vocab]`.
+
+    Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
+    `end_id`, then `_NEG` entries. Log-probabilities are the log-softmax over
+    the whole vocabulary. Only the log-softmax and the top-k pass over
+    [rows, vocab]; the bans are applied to the n + 1 best.
+    """
+    n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
+    log_probs = tf.nn.log_softmax(logits, axis=-1)
+    top, tokens = _top_k(log_probs, n + 1)  # one more: padding may be among them
+    log_prob, keep = tf.math.top_k(tf.where(tokens == PAD_ID, _NEG, top), n)
+    first = tf.range(n) == 0
+    end_log_prob = tf.gather(log_probs, end_id, axis=1)
+    return _NextTokens(
+        log_prob=tf.where(at_limit[:, None], tf.where(first, end_log_prob[:, None], _NEG), log_prob),
+        token=tf.where(at_limit[:, None], tf.where(first, end_id, PAD_ID), tf.gather(tokens, keep, batch_dims=1)),
+    )
+
+
+def _greedy_step(best, cache_index, tokens, log_prob, done, end_id):
+    """A greedy hypothesis grows by its most likely token (`best`, `_NextTokens`; PAD, log-probability 0, once done).
+
+    Returns the token `[rows]`, the tokens with it written at `cache_index`,
+    the new log-probability, and whether the token ends the hypothesis.
+    """
+    token, token_log_prob = tf.where(done, PAD_ID, best.token[:, 0]), tf.where(done, 0.0, best.log_prob[:, 0])
+    tokens = None if tokens is None else _write_column(tokens, cache_index, token)
+    return token, tokens, log_prob + token_log_prob, tf.equal(token, end_id)
+
+
+def _write_column(tokens, position, column):
+    """tokens `[..., steps]` with `position` set to `column` `[...]`."""
+    return tf.where(tf.range(tf.shape(tokens)[-1]) == position, column[..., None], tokens)
+
+
+def _first(n, size):
+    """bool `[size]`, True at the first `n` positions."""
+    return tf.range(size) < n
+
+
+def _cache_length(steps):
+    """Positions to allocate in the self-attention cache for `steps` decoding steps.
+
+    Outside XLA, none: the cache grows at each step, so a step copies, reads
+    and (in beam search) reorders only what is decoded so far, not room for
+    the longest possible output (source length + 50, when outputs average 16
+    tokens on Multi30k). XLA needs fixed shapes: the whole buffer.
+    """
+    return steps if in_xla_context() else 0
+
+
+def _while_loop(cond, body, state):
+    """`tf.while_loop` over a `NamedTuple` state with a free batch size.
+
+    `cond` and `body` take the state; the batch is the first axis of every
+    field but the scalar `cache_index`, and static sizes elsewhere are kept,
+    except the cache's length axis (`[batch, num_heads, length, key_dim]`),
+    which grows outside XLA.
+    """
+
+    def free_batch(x):
+        return tf.TensorShape([None] + x.shape.as_list()[1:])
+
+    def free_length(x):
+        return tf.TensorShape([None, x.shape[1], None, x.shape[3]])
+
+    invariants = tf.nest.map_structure(free_batch, state)._replace(
+        cache_index=tf.TensorShape([]), cache=tf.nest.map_structure(free_length, state.cache)
+    )
+    fields = type(state)
+    return tf.while_loop(
+        lambda *s: cond(fields(*s)), lambda *s: body(fields(*s)), state, shape_invariants=invariants
+    )
+
+
+def _leave_when_done(state, done, names, rows_per_sentence=1):
+    """`state` without its sentences `done` `[batch]` bool, outside XLA (see `_without`); under XLA,
+    which needs fixed shapes, `state` itself: every sentence stays."""
+    if in_xla_context():
+        return state
+    return tf.cond(tf.reduce_any(done), lambda: _without(state, done, names, rows_per_sentence), lambda: state)
+
+
+def _without(state, done, names, rows_per_sentence):
+    """`state` without its sentences `done` `[batch]` bool, whose results are in the state's
+    batch-wide fields: the fields `names` cut to the other sentences, and so is the cache, the
+    self-attention cache's `rows_per_sentence` rows per sentence (greedy: 1, beam search: k + 1) and the
+    cross-attention cache's one entry per sentence."""
+    keep = tf.reshape(tf.where(~done), [-1])
+    keep_rows = keep
+    if rows_per_sentence > 1:
+        rows = rows_per_sentence
+        keep_rows = tf.reshape(keep[:, None] * rows + tf.range(rows, dtype=keep.dtype)[None], [-1])
+    state = _gather_fields(state, keep, names)
+    cache = state.cache
+    if cache:
+        cache = {
+            "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep_rows), cache["self_attention"]),
+            "cross_attention": tf.nest.map_structure(lambda c: tf.gather(c, keep), cache["cross_attention"]),
+        }
+    return state._replace(cache=cache)
+
+
+def _gather_fields(state, index, names):
+    """`state` with the fields `names` (tensors, or nests of them) cut to the rows `index` `[n]`."""
+    return state._replace(**{
+        name: tf.nest.map_structure(lambda x: tf.gather(x, index), getattr(state, name)) for name in names
+    })
+
+
+def _trim(tokens):
+    """Drop the all-padding columns at the end of `[batch, steps]` tokens."""
+    length = tf.reduce_max(tf.concat([tf.reduce_sum(tf.cast(tokens != PAD_ID, tf.int32), axis=-1), [0]], 0))
+    return tokens[:, :length]
+
+
+# ------------------------------------------------------------------ parallel loops
+
+
+def parallel_decode(search, source_ids, num_loops):
+    """`search(source_ids)` as `num_loops` independent decoding loops, each over every num_loops-th row.
+
+    Args:
+        search: `source_ids [n, source_len] -> (tokens [n, length], scores [n])`,
+            e.g. `lambda ids: greedy_decode(model, ids, start_id, end_id)`;
+            it must decode a sentence the same in any batch, as
+            `greedy_decode` and `beam_search` do.
+        source_ids: int `[batch, source_len]`, padded with 0.
+        num_loops: how many loops (1: `search(source_ids)` itself).
+
+    Returns:
+        What `search(source_ids)` returns: tokens `[batch, length]` (0-padded)
+        and scores `[batch]`, row for row.
+
+    Why: outside XLA, a decoding step is some 400 small ops that TensorFlow's
+    executor runs one after another, so one loop keeps about one core busy,
+    however many threads a matmul may split over. Independent loops in one
+    graph run at once on the executor's inter-op threads. Row i goes to loop
+    i mod num_loops, so the loops of a length-sorted batch get sentences of
+    the same lengths and end together. Give the session N inter-op threads
+    and 1 intra-op thread: served on a 2-core EPYC at batch 64, side by side
+    on those threads, 2 loops decoded 1.7x (greedy) and 1.6x (beam 4) faster
+    than one loop; on TensorFlow's default threads (2 of each) they gained
+    little (0.93x, 1.13x): each loop's matmuls then wait for intra-op
+    threads the other loop holds (BENCHMARKS.md, "Two decoding loops per
+    batch"). Under XLA the whole search is one compiled program:
+    `search(source_ids)` itself.
+    """
+    if num_loops < 1:
+        raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+    if num_loops == 1 or in_xla_context():
+        return search(source_ids)
+    source_ids = tf.convert_to_tensor(source_ids)
+    batch_size = tf.shape(source_ids)[0]
+    # A loop past the batch's last row gets none (Range rejects a start past its limit).
+    rows = [tf.range(loop, tf.maximum(batch_size, loop), num_loops) for loop in range(num_loops)]
+    results = [search(tf.gather(source_ids, loop_rows)) for loop_rows in rows]
+    length = tf.reduce_max(tf.stack([tf.shape(tokens)[1] for tokens, _ in results]))
+    tokens = [tf.pad(tokens, [[0, 0], [0, length - tf.shape(tokens)[1]]]) for tokens, _ in results]
+    return tf.dynamic_stitch(rows, tokens), tf.dynamic_stitch(rows, [scores for _, scores in results])

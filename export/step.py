@@ -1,0 +1,393 @@
+"""One decoder step of the TensorFlow serving engine, over its key/value caches.
+
+`decode_step` turns the token at position t into the logits of position t + 1: the target embedding at
+t, each decoder layer (self-attention over the cache of earlier positions, cross-attention over the
+source's keys and values, projected once by `init_cache`, the feed-forward network), the final norm
+and the output projection. It reads the weights of the library's layers (`keras_transformer.Transformer`)
+but computes with TensorFlow ops chosen for a CPU serving graph; the library itself stays portable
+(`keras.ops`), and its own decoding is the reference this one must equal (tests/test_engine.py).
+
+Why a step is written this way: at batch 1 it costs its ops' dispatch, not its FLOPs (~9 MFLOP), so a
+greedy step went from ~510 to ~330 executed ops:
+
+- projections as plain 2-D matmuls on the weights of Keras' `EinsumDense`/`Dense` (Q, K and V fused
+  into one in self-attention, K and V in cross-attention), where Keras' layers are tensordots and
+  einsums with several ops of shape plumbing each;
+- caches laid out heads-first, `[batch, heads, length, d_k]`, the layout the attention's batched
+  matmuls read (a transpose of the cache was a quarter of a step on CPU), and constant-shape reshapes
+  instead of transposes for the one new position;
+- outside XLA the self-attention cache grows by the new position (a concat of core ops) and is read
+  without a causal mask; under XLA (`tf.function(jit_compile=True)`) it is a fixed buffer written in
+  place with `keras.ops.slice_update`, whose TensorFlow kernel `XlaDynamicUpdateSlice` the stock TF
+  Serving model server runs only with `--xla_cpu_compilation_enabled`;
+- the one new position's attention on Eigen's float32 batched matmul with the softmax written out
+  (`_attend_one_position`);
+- beam hypotheses read their sentence's cross-attention keys and values by broadcasting.
+
+`uncached_logits` is the decoder by its definition, through the library's own layers (no cache): the
+slow reference of `--no-cache` exports.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from export.tf_internals import eigen_batch_matmul, in_xla_context
+from keras_transformer.masking import PAD_ID
+
+
+# ------------------------------------------------------------------ the step
+
+
+def init_cache(model, encoder_output, max_length):
+    """The caches `decode_step` reads: empty self-attention keys/values, and the cross-attention
+    keys/values of `encoder_output`, projected once here.
+
+    `max_length`: 0 for a self-attention cache that grows at each step (outside XLA), or the most
+    target positions, a fixed buffer (under XLA, which needs fixed shapes).
+
+    Returns `{"self_attention": [...], "cross_attention": [...]}`, one `(keys, values)` pair per
+    decoder layer, each tensor `[batch, num_heads, length, key_dim]`: batch first everywhere, so
+    beam search reorders every tensor on axis 0.
+    """
+    layers = model.decoder.decoder_layers
+    for layer in layers:
+        for attention in (layer.self_attention, layer.cross_attention):
+            _check_plain(attention)
+    batch_size = tf.shape(encoder_output)[0]
+    return {
+        "self_attention": [_empty_cache(layer.self_attention, batch_size, max_length) for layer in layers],
+        "cross_attention": [_source_cache(layer.cross_attention, encoder_output) for layer in layers],
+    }
+
+
+def decode_step(model, token_ids, cache_index, source_mask, cache):
+    """One step of incremental decoding.
+
+    Args:
+        model: a built `keras_transformer.Transformer`.
+        token_ids: `[rows]` the target token at position `cache_index`.
+        cache_index: scalar int, its position (0 for the start token), where its keys and values are
+            written in the self-attention cache.
+        source_mask: `[sentences, source_len]` bool, True at real source tokens; `rows` is a multiple
+            of `sentences` (beam search's hypotheses, consecutive rows of a sentence).
+        cache: from `init_cache` or the previous step: self-attention per row, cross-attention per
+            sentence.
+
+    Returns:
+        (float32 logits `[rows, vocab]` for position `cache_index + 1`, the updated cache).
+    """
+    x = model.target_embedding(token_ids[:, None], start_index=cache_index, training=False)
+    self_attention_cache = []
+    for layer, self_cache, source_cache in zip(
+        model.decoder.decoder_layers, cache["self_attention"], cache["cross_attention"]
+    ):
+        x, self_cache = _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache)
+        self_attention_cache.append(self_cache)
+    if model.decoder.final_norm is not None:
+        x = model.decoder.final_norm(x)
+    cache = {"self_attention": self_attention_cache, "cross_attention": cache["cross_attention"]}
+    return project(model, x)[:, 0], cache
+
+
+def _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache):
+    """A decoder layer on one position per row: `x` `[rows, 1, d_model]` -> (output, updated self-attention cache)."""
+    x, self_cache = _residual_block(
+        layer, layer.self_attention_norm, x, lambda h: _self_attention_step(layer.self_attention, h, self_cache,
+                                                                             cache_index))
+    x, _ = _residual_block(
+        layer, layer.cross_attention_norm, x,
+        lambda h: (_cross_attention_step(layer.cross_attention, h, source_cache, source_mask), None))
+    x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h: (_feed_forward(layer.feed_forward, h), None))
+    return x, self_cache
+
+
+def _residual_block(layer, norm, x, sublayer):
+    """`sublayer` (-> (output, extra)) in its residual block: post-norm `norm(x + sublayer(x))`,
+    pre-norm `x + sublayer(norm(x))`; dropout is off at inference. Returns (x, extra)."""
+    y, extra = sublayer(norm(x) if layer.norm_first else x)
+    x = x + y
+    return (x if layer.norm_first else norm(x)), extra
+
+
+def project(model, x):
+    """Decoder output `[..., d_model]` -> float32 logits `[..., target_vocab]`: the output projection, or
+    the tied target embedding as one 2-D matmul (`transpose_b`: the embedding is never transposed)."""
+    if model.output_projection is not None:
+        logits = model.output_projection(x)
+    else:
+        embeddings = tf.cast(model.target_embedding.token_embedding.embeddings, x.dtype)
+        shape = tf.shape(x)
+        logits = tf.matmul(tf.reshape(x, [-1, shape[-1]]), embeddings, transpose_b=True)
+        logits = tf.reshape(logits, tf.concat([shape[:-1], tf.shape(embeddings)[:1]], axis=0))
+    # float32 logits keep the log-softmax exact under bfloat16.
+    return tf.cast(logits, tf.float32)
+
+
+# ------------------------------------------------------------------ attention over the caches
+
+
+def _check_plain(attention):
+    """A clear error for an attention layer with options beyond the paper's (the engine computes the paper's)."""
+    plain = (
+        not getattr(attention, "_use_gate", False)  # gate and sliding window are newer than keras 3.12
+        and getattr(attention, "_sliding_window", None) is None
+        and tuple(attention._attention_axes) == (1,)
+        and all(_is_plain(dense) for dense in (
+            attention._query_dense, attention._key_dense, attention._value_dense, attention._output_dense))
+    )
+    if not plain:
+        raise ValueError(
+            f"The serving engine decodes plain multi-head attention only, not use_gate, sliding_window, "
+            f"attention_axes other than the sequence axis, or quantized kernels (layer '{attention.path}')."
+        )
+
+
+def _empty_cache(attention, batch_size, max_length):
+    """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention."""
+    shape = [batch_size, attention.num_heads, max_length, attention.key_dim]
+    return tf.zeros(shape, dtype=attention.compute_dtype), tf.zeros(shape, dtype=attention.compute_dtype)
+
+
+def _source_cache(attention, encoder_output):
+    """The cross-attention keys and values of `encoder_output` `[batch, length, dim]`, projected once (one
+    fused matmul): `(keys, values)`, each `[batch, num_heads, length, key_dim]`."""
+    return tuple(_heads_first(h) for h in _project_fused(encoder_output, [attention._key_dense,
+                                                                          attention._value_dense]))
+
+
+def _self_attention_step(attention, x, cache, cache_index):
+    """Self-attention of one new position per row, `x` `[rows, 1, dim]`, written into `cache` at `cache_index`.
+
+    Returns (output `[rows, 1, dim]`, the cache with the new position's keys and values).
+    """
+    query, new_keys, new_values = _project_fused(
+        x, [attention._query_dense, attention._key_dense, attention._value_dense])
+    keys = _write_at(cache[0], cache_index, _heads_first(new_keys))
+    values = _write_at(cache[1], cache_index, _heads_first(new_values))
+    mask = None
+    if in_xla_context():  # a fixed buffer: the positions after `cache_index` are not written yet
+        mask = _causal_mask(tf.shape(query)[1], tf.shape(keys)[2], start=cache_index)
+    # Outside XLA one new query at the end of a growing cache may attend to all of it: no causal
+    # mask to build (the ops of a mask cost more than its arithmetic at one position).
+    output = _attend(attention, _heads_first(query), keys, values, mask)
+    output = _heads_first(output)  # [rows, num_heads, 1, d] -> [rows, 1, num_heads, d]: its own inverse
+    return _project_output(output, attention._output_dense), (keys, values)
+
+
+def _cross_attention_step(attention, x, cache, source_mask):
+    """Cross-attention of one position per row, `x` `[rows, 1, dim]`, over a cache of `sentences`
+    sentences, rows = sentences * g (g >= 1 consecutive rows per sentence).
+
+    A sentence's g rows (beam search's hypotheses) read its keys and values through broadcasting, so
+    they are neither repeated per hypothesis in the cache (nor copied when sentences leave the batch)
+    nor transposed at each step. Returns the output `[rows, 1, dim]`.
+    """
+    keys, values = cache
+    sentences = tf.shape(keys)[0]
+    query = tf.reshape(
+        _project(x, attention._query_dense), [sentences, -1, attention.num_heads, 1, attention.key_dim]
+    )
+    mask = source_mask[:, None, :][:, None]  # [sentences, 1, 1, source_len]
+    output = _attend(attention, query, keys[:, None], values[:, None], mask)
+    output = tf.reshape(output, [-1, 1, attention.num_heads, attention.value_dim])
+    return _project_output(output, attention._output_dense)
+
+
+def _attend(attention, query, key, value, attention_mask):
+    """Equation 1 on heads-first tensors: query `[..., num_heads, query_len, dim]`, key and value
+    `[..., num_heads, key_len, dim]` -> output `[..., num_heads, query_len, value_dim]`; `attention_mask`
+    None or True where attention is allowed, broadcastable to `[..., query_len, key_len]` once a
+    heads axis is inserted after its first axis."""
+    query = query * tf.cast(1.0 / math.sqrt(float(attention.key_dim)), query.dtype)
+    mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)[:, None]
+    if query.shape[-2] == 1 and not in_xla_context():
+        output, _ = _attend_one_position(query, key, value, mask)
+        return output
+    scores = tf.matmul(query, key, transpose_b=True)
+    if mask is None:
+        scores = tf.nn.softmax(scores)
+    else:
+        # As Keras' Softmax does: -1e9 before, and exact zeros after, so that
+        # a row with nothing to attend to gets zero weights, not uniform ones.
+        scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
+        scores = tf.where(mask, scores, tf.zeros_like(scores))
+    return tf.matmul(scores, value)
+
+
+def _attend_one_position(query, key, value, mask):
+    """Equation 1 for one query position (a decoding step), outside XLA.
+
+    query `[..., num_heads, 1, dim]`, key and value `[..., num_heads, key_len, dim]` (the
+    leading axes broadcast), mask None or bool broadcastable to `[..., num_heads, 1, key_len]`.
+    The products run on Eigen's batched matmul in float32 (`eigen_batch_matmul`: oneDNN's
+    pays a fixed cost for each of the step's ~100 one-row products); scores, weights and
+    output are rounded to `value`'s dtype where the full pass rounds them. The softmax is
+    written out: oneDNN's softmax kernel costs ~40 us a call on a
+    2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
+    Elementwise products and sums were 3-5x cheaper at batch 1, but a
+    sentence's result then depended on its batch (the cheaper form pays only below a size)
+    and the cached step no longer equalled the full pass token for token.
+    Returns the output and the weights.
+    """
+    # Scores and weights are rounded to the layer's dtype, as the full pass's matmuls round them: in
+    # bfloat16, float32 scores and weights made a step differ from the full pass (a greedy output
+    # changed token), and a sentence's score depend on its batch (served in batches of 64 and 16).
+    dtype = value.dtype
+    scores = tf.cast(tf.cast(eigen_batch_matmul(query, key, adjoint_b=True), dtype), tf.float32)
+    if mask is not None:
+        scores = tf.where(mask, scores, -1e9)
+    weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
+    weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
+    if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass
+        weights = tf.where(mask, weights, 0.0)
+    weights = tf.cast(weights, dtype)
+    return tf.cast(eigen_batch_matmul(weights, value), dtype), weights
+
+
+def _write_at(heads, index, update):
+    """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, 1, key_dim]` written at
+    position `index`.
+
+    Outside XLA the cache has length `index` and grows: a concat of core ops, not
+    `keras.ops.slice_update`, whose TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock
+    TF Serving model server will not run that outside XLA. The concat copies the cache, as any write
+    outside XLA does, but a growing cache holds only the positions decoded so far (not room for the
+    longest possible output, source length + 50, when outputs average 16 tokens on Multi30k). Inside
+    `tf.function(jit_compile=True)` the cache is a fixed buffer and this is XLA's in-place
+    `dynamic_update_slice`.
+    """
+    update = tf.cast(update, heads.dtype)
+    index = tf.cast(index, tf.int32)
+    if in_xla_context():
+        return keras.ops.slice_update(heads, tf.stack([0, 0, index, 0]), update)
+    return tf.concat([heads, update], axis=2)
+
+
+def _causal_mask(query_length, key_length, start):
+    """`[1, query_length, key_length]` bool: query `start + i` attends to keys `<= start + i`."""
+    query_positions = start + tf.range(query_length)[:, None]
+    key_positions = tf.range(key_length)[None, :]
+    return (key_positions <= query_positions)[None]
+
+
+# ------------------------------------------------------------------ x W + b as 2-D matmuls
+
+
+def _is_plain(dense):
+    """True when `dense` computes x W + b with a float kernel (not quantized), which `_matmul_2d` reproduces."""
+    return dense.quantization_mode is None
+
+
+def _weight(variable, dtype):
+    """A Keras variable's value in the compute dtype (bfloat16 under mixed precision)."""
+    return tf.cast(keras.ops.convert_to_tensor(variable), dtype)
+
+
+def _matmul_2d(x, dense, in_features=None):
+    """`x` `[n, in_features]` times `dense`'s kernel reshaped to `[in_features, -1]`, plus its bias.
+
+    `in_features` defaults to the kernel's first axis (`Dense`); W^O's kernel `[heads, head_dim, dim]`
+    needs `heads * head_dim`. Returns `[n, out_features]` in the layer's compute dtype.
+    """
+    dtype = dense.compute_dtype
+    in_features = dense.kernel.shape[0] if in_features is None else in_features
+    y = tf.matmul(tf.cast(x, dtype), tf.reshape(_weight(dense.kernel, dtype), [in_features, -1]))
+    if dense.bias is not None:
+        y = tf.nn.bias_add(y, tf.reshape(_weight(dense.bias, dtype), [-1]))
+    return y
+
+
+def _feed_forward(feed_forward, x):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 on `x` `[batch, length, d_model]`.
+
+    Two 2-D matmuls on [batch * length, d_model]. Keras' Dense on a 3-D input is a tensordot
+    with about 10 ops of shape plumbing, which a decoding step pays per op, not per FLOP.
+    Quantized kernels run the layer's own call.
+    """
+    inner, outer = feed_forward.inner, feed_forward.outer
+    if not (_is_plain(inner) and _is_plain(outer)):
+        return feed_forward(x)
+    y = tf.nn.relu(_matmul_2d(tf.reshape(x, [-1, inner.kernel.shape[0]]), inner))
+    return tf.reshape(_matmul_2d(y, outer), tf.shape(x))
+
+
+def _project(x, dense):
+    """`x` `[batch, length, dim]` through a head projection `dense` as one 2-D matmul:
+    `[batch, length, heads, head_dim]`."""
+    (heads,) = _project_fused(x, [dense])
+    return heads
+
+
+def _project_fused(x, denses):
+    """`x` through several head projections at once: one matmul with their kernels side by side.
+
+    Each `dense` is an `EinsumDense` "abc,cde->abde" with kernel
+    `[dim, heads, head_dim]` and bias `[heads, head_dim]`; returns one
+    `[batch, length, heads, head_dim]` per dense.
+    """
+    dtype = denses[0].compute_dtype
+    x = tf.cast(x, dtype)
+    dim = x.shape[-1]
+    kernels = [tf.reshape(_weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
+    y = tf.matmul(tf.reshape(x, [-1, dim]), kernels[0] if len(kernels) == 1 else tf.concat(kernels, axis=1))
+    if denses[0].bias is not None:
+        biases = [tf.reshape(_weight(dense.bias, dtype), [-1]) for dense in denses]
+        y = tf.nn.bias_add(y, biases[0] if len(biases) == 1 else tf.concat(biases, axis=0))
+    outputs = tf.split(y, [kernel.shape[1] for kernel in kernels], axis=1) if len(kernels) > 1 else [y]
+    return [tf.reshape(out, _batch_and_length(x) + list(dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
+
+
+def _project_output(heads, dense):
+    """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
+    num_heads, head_dim, dim = dense.kernel.shape
+    y = _matmul_2d(tf.reshape(heads, [-1, num_heads * head_dim]), dense, num_heads * head_dim)
+    return tf.reshape(y, _batch_and_length(heads) + [dim])
+
+
+def _batch_and_length(x):
+    """The first two axes of `x` as a shape prefix: `[-1, length]` when the length is static (a decoding
+    step: a constant shape, so no shape ops at every step), else both read from `tf.shape(x)`."""
+    if x.shape[1] is not None:
+        return [-1, x.shape[1]]
+    shape = tf.shape(x)
+    return [shape[0], shape[1]]
+
+
+def _heads_first(x):
+    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse).
+
+    With a length of 1 (a decoding step) the swap moves no data: a reshape to a
+    constant shape, not a Transpose op.
+    """
+    _, a, b, dim = x.shape
+    if 1 in (a, b) and None not in (a, b, dim):
+        return tf.reshape(x, [-1, b, a, dim])
+    return tf.transpose(x, [0, 2, 1, 3])
+
+
+# ------------------------------------------------------------------ without the cache
+
+
+def uncached_logits(model, target_ids, encoder_output, source_mask):
+    """The decoder by its definition: logits `[rows, target_len, vocab]` of every position of `target_ids`
+    `[rows, target_len]` (start id first), from a full pass through the library's own layers, no cache.
+
+    The slow reference the cached step must equal (`use_cache=False`). `encoder_output` and `source_mask`
+    are one per row.
+    """
+    x = model.target_embedding(target_ids, training=False)
+    length = tf.shape(target_ids)[1]
+    self_mask = tf.logical_and(_causal_mask(length, length, start=0), tf.not_equal(target_ids, PAD_ID)[:, None, :])
+    cross_mask = source_mask[:, None, :]
+    for layer in model.decoder.decoder_layers:
+        x, _ = _residual_block(layer, layer.self_attention_norm, x, lambda h, layer=layer: (
+            layer.self_attention(h, h, attention_mask=self_mask, training=False), None))
+        x, _ = _residual_block(layer, layer.cross_attention_norm, x, lambda h, layer=layer: (
+            layer.cross_attention(h, encoder_output, attention_mask=cross_mask, training=False), None))
+        x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h, layer=layer: (
+            layer.feed_forward(h), None))
+    if model.decoder.final_norm is not None:
+        x = model.decoder.final_norm(x)
+    return project(model, x)

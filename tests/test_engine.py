@@ -1,0 +1,476 @@
+"""The TensorFlow serving engine (`export/step.py`, `export/search.py`): its step over the caches equals the
+model's full pass, its searches decode what the library's searches decode, and its speed-ups (a cache that
+grows, sentences that leave the batch, a top-k by blocks, loops in parallel, a fixed-shape loop under XLA)
+change no output."""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+from conftest import copy_task, multi30k_lines, needs_multi30k, random_ids
+from export import search, step
+from export.engine_weights import engine_model
+from export.search import _block_length, _most_likely_token, _next_tokens, _top_k, beam_search, greedy_decode
+from export.translator import load_model_dir
+from keras_transformer.text import END_ID as END
+from keras_transformer.text import START_ID as START
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """Trained one epoch on the copy task: it has learned END but is still unsure,
+    so beams really differ (a random model never says END)."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.0)
+    model.compile(optimizer=kt.paper_adam(model.d_model, 100), loss=kt.MaskedSparseCategoricalCrossentropy())
+    x, y = copy_task(np.random.default_rng(0), 2048)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def _sources(seed, n):
+    return copy_task(np.random.default_rng(seed), n)[0][0]
+
+
+def _model(seed, vocab=24, **kwargs):
+    # A random model spreads its probability, so beams really differ.
+    model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0, **kwargs)
+    model.build()
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
+    return model
+
+
+def _greedy(model, **kwargs):
+    return tf.function(lambda s: greedy_decode(model, s, START, END, **kwargs))
+
+
+def _beam(model, beam_size, **kwargs):
+    return tf.function(lambda s: beam_search(model, s, START, END, beam_size=beam_size, **kwargs))
+
+
+# ------------------------------------------------------------------ the contract: the library's searches
+
+
+def _trimmed(tokens):
+    """Tokens `[batch, length]` without their all-padding columns at the end."""
+    tokens = np.asarray(tokens)
+    used = np.flatnonzero((tokens != 0).any(axis=0))
+    return tokens[:, : used[-1] + 1 if len(used) else 0]
+
+
+def _assert_engine_decodes_what_the_library_decodes(model, source):
+    """Greedy and beam 4, each with the library's defaults: the same tokens, the same scores to float precision."""
+    searches = {
+        "greedy": (lambda s: kt.greedy_decode(model, s, START, END), lambda s: greedy_decode(model, s, START, END)),
+        "beam 4": (lambda s: kt.beam_search(model, s, START, END), lambda s: beam_search(model, s, START, END)),
+    }
+    for name, (library, engine) in searches.items():
+        library_tokens, library_scores = tf.function(library)(source)
+        engine_tokens, engine_scores = tf.function(engine)(source)
+        np.testing.assert_array_equal(_trimmed(engine_tokens), _trimmed(library_tokens), err_msg=name)
+        np.testing.assert_allclose(np.asarray(engine_scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+    return _trimmed(engine_tokens)
+
+
+def test_the_engine_decodes_what_the_library_decodes_on_the_copy_task(copy_model):
+    source = _sources(21, 64)
+    source[::4, 3:] = 0  # shorter sentences too
+    source[::4, 3] = END
+    tokens = _assert_engine_decodes_what_the_library_decodes(copy_model, source)
+    assert ((tokens == END).sum(axis=1) == 1).all()  # every output ended: the comparison is not of limits
+
+
+@needs_multi30k
+def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(quick_model_dir):
+    from export.tokenizer import encode_source
+
+    model, tokenizer, config = load_model_dir(quick_model_dir)
+    model = engine_model(model, "float32")
+    source = encode_source(tokenizer, tf.constant(multi30k_lines("val.en", 100)), config["max_length"]).to_tensor(0)
+    tokens = _assert_engine_decodes_what_the_library_decodes(model, source)
+    assert (tokens == END).sum() > 50  # a trained model: its outputs end
+
+
+# ------------------------------------------------------------------ the step over the caches
+
+
+def _step_by_step_logits(model, source, target):
+    encoder_output = model.encode(source, training=False)
+    mask = tf.not_equal(source, 0)
+    cache = step.init_cache(model, encoder_output, 0)
+    steps = []
+    for t in range(target.shape[1]):  # eagerly: the cache grows
+        logits, cache = step.decode_step(model, tf.constant(target[:, t]), t, mask, cache)
+        steps.append(logits.numpy())
+    assert cache["self_attention"][0][0].shape[2] == target.shape[1]
+    return np.stack(steps, axis=1)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(norm_first=True, tie_output_embedding=False)])
+def test_the_step_equals_the_full_pass(kwargs):
+    """Post-norm with a tied projection, pre-norm (a final norm) with an untied one; the uncached reference too."""
+    rng = np.random.default_rng(2)
+    model = kt.Transformer.from_preset("tiny", vocab_size=40, **kwargs)
+    model.build()
+    source = random_ids(rng, 3, 7)
+    source[2, 5:] = 0
+    target = random_ids(rng, 3, 6)
+    full = model((source, target)).numpy()
+    np.testing.assert_allclose(_step_by_step_logits(model, source, target), full, atol=1e-5)
+    encoder_output = model.encode(source, training=False)
+    uncached = step.uncached_logits(model, tf.constant(target), encoder_output, tf.not_equal(source, 0))
+    np.testing.assert_allclose(uncached.numpy(), full, atol=1e-5)
+
+
+def test_a_cache_of_free_length_grows_in_a_while_loop():
+    """Inside `tf.while_loop` with the cache length left free, each write appends (no mask needed)."""
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
+    mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    full = mha(x, x, use_causal_mask=True).numpy()
+
+    @tf.function
+    def step_by_step(x):
+        def body(t, cache, outputs):
+            y, cache = step._self_attention_step(mha, x[:, t : t + 1], cache, t)
+            return t + 1, cache, outputs.write(t, y[:, 0])
+
+        free = tf.TensorShape([2, 4, None, 4])
+        _, cache, outputs = tf.while_loop(
+            lambda t, *_: t < 6, body, (0, step._empty_cache(mha, 2, 0), tf.TensorArray(tf.float32, 6)),
+            shape_invariants=(tf.TensorShape([]), (free, free), None),
+        )
+        return tf.transpose(outputs.stack(), [1, 0, 2]), cache
+
+    stepped, cache = step_by_step(x)
+    assert cache[0].shape == (2, 4, 6, 4)
+    np.testing.assert_allclose(stepped.numpy(), full, atol=1e-5)
+
+
+def test_a_fixed_buffer_is_written_in_place_under_xla():
+    """Under XLA the cache is a buffer of every position, written with XLA's dynamic_update_slice and read with
+    a causal mask: the same outputs as the full pass."""
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
+    mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    full = mha(x, x, use_causal_mask=True).numpy()
+
+    @tf.function(jit_compile=True)
+    def step_by_step(x):
+        def body(t, cache, outputs):
+            # tf.slice with a constant size: XLA read `x[:, t : t + 1]` as position 0 at every step here.
+            y, cache = step._self_attention_step(mha, tf.slice(x, [0, t, 0], [2, 1, 16]), cache, t)
+            return t + 1, cache, outputs.write(t, y[:, 0])
+
+        _, cache, outputs = tf.while_loop(
+            lambda t, *_: t < 6, body, (0, step._empty_cache(mha, 2, 6), tf.TensorArray(tf.float32, 6)))
+        return tf.transpose(outputs.stack(), [1, 0, 2]), cache
+
+    stepped, cache = step_by_step(x)
+    assert cache[0].shape == (2, 4, 6, 4)
+    np.testing.assert_allclose(stepped.numpy(), full, atol=1e-5)
+
+
+def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
+    """A one-position step multiplies in float32 (Eigen's batched matmul, see `eigen_batch_matmul`) and
+    rounds to the layer's dtype; self- and cross-attention, in a while loop as decoding runs it."""
+    rng = np.random.default_rng(7)
+    x = tf.constant(rng.normal(size=(2, 6, 16)).astype("float32"))
+    memory = tf.constant(rng.normal(size=(2, 5, 16)).astype("float32"))
+    memory_mask = tf.constant([[True, True, True, False, False], [True] * 5])
+    self_mha = kt.MultiHeadAttention(num_heads=4, key_dim=4, dtype="mixed_bfloat16")
+    cross_mha = kt.MultiHeadAttention(num_heads=4, key_dim=4, dtype="mixed_bfloat16")
+    full = cross_mha(self_mha(x, x, use_causal_mask=True), memory, attention_mask=memory_mask[:, None, :])
+
+    @tf.function
+    def step_by_step(x):
+        source_cache = step._source_cache(cross_mha, memory)
+
+        def body(t, cache, outputs):
+            y, cache = step._self_attention_step(self_mha, x[:, t : t + 1], cache, t)
+            y = step._cross_attention_step(cross_mha, y, source_cache, memory_mask)
+            return t + 1, cache, outputs.write(t, y[:, 0])
+
+        free = tf.TensorShape([2, 4, None, 4])
+        _, _, outputs = tf.while_loop(
+            lambda t, *_: t < 6, body, (0, step._empty_cache(self_mha, 2, 0), tf.TensorArray(tf.bfloat16, 6)),
+            shape_invariants=(tf.TensorShape([]), (free, free), None),
+        )
+        return tf.transpose(outputs.stack(), [1, 0, 2])
+
+    stepped = step_by_step(x)
+    assert stepped.dtype == full.dtype == tf.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: outputs of size ~1 agree to a few hundredths.
+    np.testing.assert_allclose(tf.cast(stepped, tf.float32).numpy(), tf.cast(full, tf.float32).numpy(), atol=0.05)
+
+
+def test_hypotheses_read_their_sentence_cross_attention_cache():
+    """g rows per sentence over a cache of one entry per sentence (beam search) = each row over its own copy."""
+    rng = np.random.default_rng(6)
+    sentences, g = 2, 3
+    query = rng.normal(size=(sentences * g, 1, 16)).astype("float32")
+    memory = rng.normal(size=(sentences, 5, 16)).astype("float32")
+    memory_mask = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    mha = kt.MultiHeadAttention(num_heads=2, key_dim=8)
+    repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
+    full = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :])
+    shared = step._cross_attention_step(mha, tf.constant(query), step._source_cache(mha, memory),
+                                        tf.constant(memory_mask))
+    np.testing.assert_allclose(shared.numpy(), np.asarray(full), atol=1e-5)
+
+
+# ------------------------------------------------------------------ the searches
+
+
+def _uncached_greedy(model, source, max_length):
+    """Greedy decoding by the definition: a full forward pass for every new token."""
+    target = np.full((len(source), 1), START, "int32")
+    finished = np.zeros(len(source), bool)
+    for t in range(max_length):
+        log_probs = tf.nn.log_softmax(model((source, target))[:, -1]).numpy()
+        log_probs[:, 0] = -np.inf  # padding is never produced
+        if t + 1 == max_length:
+            log_probs[:, np.arange(log_probs.shape[1]) != END] = -np.inf
+        token = np.where(finished, 0, log_probs.argmax(-1))
+        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
+        finished |= token == END
+        if finished.all():
+            break
+    return target[:, 1:]
+
+
+# A vocabulary of 240 picks the best tokens by blocks (search._top_k), one of 24 by a plain top_k.
+@pytest.mark.parametrize("seed, vocab", [(0, 24), (0, 240)])
+def test_greedy_equals_greedy_by_the_definition(seed, vocab):
+    model = _model(seed, vocab)
+    source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
+    source[1, 3:] = 0
+    tokens, _ = _greedy(model, max_length=12)(source)
+    expected = _uncached_greedy(model, source, max_length=12)
+    np.testing.assert_array_equal(tokens.numpy(), expected[:, : tokens.shape[1]])
+    assert (expected[:, tokens.shape[1] :] == 0).all()
+
+
+@pytest.mark.parametrize("beam_size", [None, 3])
+def test_cached_decoding_equals_uncached_decoding(copy_model, beam_size):
+    source = _sources(8, 16)
+    if beam_size is None:
+        cached, uncached = _greedy(copy_model), _greedy(copy_model, use_cache=False)
+    else:
+        cached, uncached = _beam(copy_model, beam_size), _beam(copy_model, beam_size, use_cache=False)
+    cached_tokens, cached_scores = cached(source)
+    uncached_tokens, uncached_scores = uncached(source)
+    np.testing.assert_array_equal(cached_tokens.numpy(), uncached_tokens.numpy())
+    np.testing.assert_allclose(cached_scores.numpy(), uncached_scores.numpy(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("beam_size", [None, 3])
+def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
+    # Inside jit_compile the cache is written with XLA's dynamic_update_slice, outside with a core op.
+    source = _sources(9, 16)
+    if beam_size is None:
+        decode = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
+    else:
+        decode = lambda s: beam_search(copy_model, s, START, END, beam_size=beam_size)  # noqa: E731
+    tokens, scores = tf.function(decode)(source)
+    xla_tokens, xla_scores = tf.function(decode, jit_compile=True)(source)
+    np.testing.assert_array_equal(xla_tokens.numpy(), tokens.numpy())
+    np.testing.assert_allclose(xla_scores.numpy(), scores.numpy(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [24, 240])
+def test_beam_search_under_xla_sorts_no_vocabulary_row(vocab):
+    # XLA on CPU keeps a top_k as its TopK kernel only while no slice is taken of the
+    # result; otherwise it sorts the whole row, every step (once 8x slower than no XLA
+    # at batch 64, when the row was a sentence's beam * vocab candidates).
+    model = _model(0, vocab)
+    source = random_ids(np.random.default_rng(0), 4, 6, high=24)
+    decode = tf.function(lambda s: beam_search(model, s, START, END, beam_size=3), jit_compile=True)
+    hlo = decode.experimental_get_compiler_ir(source)(stage="optimized_hlo")
+    sorts = [line for line in hlo.splitlines() if " sort(" in line]
+    shapes = [[int(d) for d in shape.split(",")] for line in sorts for shape in re.findall(r"\[([\d,]+)\]", line)]
+    assert not [shape for shape in shapes if max(shape) >= vocab], sorts
+
+
+@pytest.mark.parametrize("vocab, n", [(8000, 9), (8000, 2), (240, 5), (241, 3)])
+def test_blockwise_top_k_equals_top_k_ties_included(vocab, n):
+    # Integer values: each row's largest tie many times, and top_k breaks ties to the lower id.
+    values = tf.constant(np.random.default_rng(vocab + n).integers(-40, 40, size=(6, vocab)).astype("float32"))
+    assert (_block_length(vocab, n) is None) == (vocab == 241)  # a prime size has no blocks
+    top, ids = _top_k(values, n)
+    expected = tf.math.top_k(values, n)
+    np.testing.assert_array_equal(top.numpy(), expected.values.numpy())
+    np.testing.assert_array_equal(ids.numpy(), expected.indices.numpy())
+
+
+def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_the_limit():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=3.0, size=(5, 240)).astype("float32")
+    logits[0, 0] = 100.0  # padding would be the most likely token
+    at_limit = np.array([False, True, False, False, True])
+    best = _next_tokens(tf.constant(logits), tf.constant(at_limit), END, 4)
+    most_likely = _most_likely_token(tf.constant(logits), tf.constant(at_limit), END)
+    log_probs = tf.nn.log_softmax(logits).numpy()  # over the whole vocabulary, padding included
+    allowed = log_probs.copy()
+    allowed[:, 0] = -np.inf
+    expected = np.argsort(-allowed, axis=-1, kind="stable")[:, :4]
+    free = ~at_limit
+    np.testing.assert_array_equal(best.token.numpy()[free], expected[free])
+    np.testing.assert_allclose(
+        best.log_prob.numpy()[free], np.take_along_axis(log_probs, expected, axis=-1)[free], rtol=1e-5
+    )
+    np.testing.assert_array_equal(best.token.numpy()[at_limit, 0], END)
+    np.testing.assert_allclose(best.log_prob.numpy()[at_limit, 0], log_probs[at_limit, END], rtol=1e-5)
+    assert (best.log_prob.numpy()[at_limit, 1:] < -1e8).all()
+    # The greedy choice is the first of them.
+    np.testing.assert_array_equal(most_likely.token.numpy(), best.token.numpy()[:, :1])
+    np.testing.assert_allclose(most_likely.log_prob.numpy(), best.log_prob.numpy()[:, :1], rtol=1e-6)
+
+
+def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model):
+    source = _sources(3, 128)
+    greedy_tokens, greedy_scores = _greedy(copy_model)(source)
+    beam_tokens, beam_scores = _beam(copy_model, 1)(source)
+    np.testing.assert_array_equal(beam_tokens.numpy(), greedy_tokens.numpy())
+    np.testing.assert_allclose(beam_scores.numpy(), greedy_scores.numpy(), rtol=1e-5)
+    _, beam_scores = _beam(copy_model, 4)(source)
+    assert (beam_scores.numpy() >= greedy_scores.numpy() - 1e-5).all()
+    assert (beam_scores.numpy() > greedy_scores.numpy() + 1e-3).sum() > 10  # the beam finds better ones
+
+
+def test_scores_are_length_penalised_log_probabilities(copy_model):
+    source = _sources(4, 6)
+    tokens, scores = _beam(copy_model, 3, alpha=0.6)(source)
+    # Recompute each sentence's log-probability with a full forward pass.
+    for i, row in enumerate(tokens.numpy()):
+        output = row[row != 0]
+        assert output[-1] == END
+        target_in = np.concatenate([[START], output[:-1]])[None].astype("int32")
+        log_probs = tf.nn.log_softmax(copy_model((source[i : i + 1], target_in))[0]).numpy()
+        log_prob = log_probs[np.arange(len(output)), output].sum()
+        assert scores.numpy()[i] == pytest.approx(log_prob / ((5 + len(output)) / 6) ** 0.6, rel=1e-4)
+
+
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
+    rng = np.random.default_rng(7)
+    sentence = np.array([[5, 9, 12, 4, 7, END]], "int32")
+    batch = np.zeros((4, 9), "int32")
+    batch[0] = np.append(rng.integers(4, 16, 8), END)  # longer
+    batch[1, :6] = sentence[0]
+    batch[2, :2] = [6, END]  # shorter
+    batch[3, :4] = [11, 5, 8, END]
+    run = _greedy(copy_model) if decode == "greedy" else _beam(copy_model, 4)
+    alone_tokens, alone_score = run(sentence)
+    batch_tokens, batch_scores = run(batch)
+    alone = alone_tokens.numpy()[0]
+    np.testing.assert_array_equal(batch_tokens.numpy()[1][: len(alone)], alone)
+    assert (batch_tokens.numpy()[1][len(alone) :] == 0).all()
+    assert float(batch_scores[1]) == pytest.approx(float(alone_score[0]), rel=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
+    """Each of the loops is its own `tf.while_loop` in the graph, and the rows come back in place."""
+    if decode == "greedy":
+        run = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
+    else:
+        run = lambda s: beam_search(copy_model, s, START, END, beam_size=3)  # noqa: E731
+    spec = [tf.TensorSpec([None, None], tf.int32)]
+    one_loop = tf.function(run, input_signature=spec)
+    sources = _sources(11, 7)
+    sources[::3, 4:] = 0  # sentences of different lengths: the loops' outputs differ in length
+    sources[::3, 3] = END
+    for num_loops in (2, 3):
+        parallel = tf.function(lambda s: search.parallel_decode(run, s, num_loops), input_signature=spec)
+        for n in (0, 1, 2, 7):
+            tokens, scores = parallel(sources[:n])
+            expected_tokens, expected_scores = one_loop(sources[:n])
+            np.testing.assert_array_equal(tokens.numpy(), expected_tokens.numpy())
+            np.testing.assert_allclose(scores.numpy(), expected_scores.numpy(), rtol=1e-5)
+        graph = parallel.get_concrete_function().graph.as_graph_def()
+        assert sum(node.op in ("While", "StatelessWhile") for node in graph.node) == num_loops
+    with pytest.raises(ValueError, match="num_loops must be >= 1, got 0"):
+        search.parallel_decode(run, sources, 0)
+
+
+def _never_ending_model(**kwargs):
+    """A random model whose end token always loses: only the length limit stops decoding."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
+    model.build()
+    bias = model.output_projection.bias
+    bias.assign(np.where(np.arange(24) == END, -1e4, bias.numpy()).astype("float32"))
+    return model
+
+
+def _sources_of_2_and_6_tokens():
+    source = np.zeros((2, 6), "int32")
+    source[0, :2] = [5, 6]
+    source[1, :6] = [5, 6, 7, 8, 9, 10]
+    return source
+
+
+@pytest.mark.parametrize("decode", ["greedy", "beam"])
+def test_finished_sentences_leave_the_batch(decode, monkeypatch):
+    """Outside XLA a step decodes only the sentences still going: once the shorter source reaches its
+    limit (source length + 50), the decoder gets one sentence's rows (1 for greedy, k + 1 for beam)."""
+    model = _never_ending_model()
+    rows_per_step = []
+    decode_step = step.decode_step
+
+    def counting_decode_step(model, token_ids, *args):
+        rows_per_step.append(int(tf.shape(token_ids)[0]))
+        return decode_step(model, token_ids, *args)
+
+    monkeypatch.setattr(search, "decode_step", counting_decode_step)
+    source = _sources_of_2_and_6_tokens()
+    if decode == "greedy":
+        tokens, _ = greedy_decode(model, source, START, END)  # eagerly: the loop runs in Python
+        rows = 1
+    else:
+        tokens, _ = beam_search(model, source, START, END, beam_size=2)
+        rows = 3
+    assert rows_per_step == [2 * rows] * 52 + [rows] * 4
+    assert (tokens.numpy()[0, 52:] == 0).all() and tokens.shape[1] == 56
+
+
+def test_default_limit_is_source_length_plus_50():
+    model = _never_ending_model()
+    source = _sources_of_2_and_6_tokens()
+    for decode in (greedy_decode, beam_search):
+        tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
+        assert list((tokens != 0).sum(axis=1)) == [2 + 50, 6 + 50]
+        assert tokens[0, 51] == END and tokens[1, 55] == END
+
+
+def test_learned_positions_cap_the_output_at_the_position_table():
+    """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end,
+    outside XLA and under it (where the bound comes from the padded source length)."""
+    model = _never_ending_model(learned_positions=True, max_length=12)
+    source = _sources_of_2_and_6_tokens()
+    for decode in (greedy_decode, beam_search):
+        for jit_compile in (False, True):
+            tokens = tf.function(lambda s: decode(model, s, START, END), jit_compile=jit_compile)(source)[0].numpy()
+            assert list((tokens != 0).sum(axis=1)) == [12, 12]
+            assert (tokens[:, 11] == END).all()
+    # An explicit limit past the table is capped too; one within it is kept.
+    assert greedy_decode(model, source, START, END, max_length=30)[0].shape == (2, 12)
+    assert greedy_decode(model, source, START, END, max_length=5)[0].shape == (2, 5)
+
+
+def test_empty_batch_bad_rank_and_a_model_never_called():
+    model = _model(9)
+    tokens, scores = greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
+    assert tokens.shape[0] == 0 and scores.shape == (0,)
+    tokens, scores = beam_search(model, np.zeros((0, 4), "int32"), START, END)
+    assert tokens.shape[0] == 0 and scores.shape == (0,)
+    with pytest.raises(ValueError, match=r"source_ids of shape \[batch, source_len\]"):
+        greedy_decode(model, np.zeros((4,), "int32"), START, END)
+    fresh = kt.Transformer.from_preset("tiny", vocab_size=20)
+    tokens, scores = greedy_decode(fresh, np.array([[5, 6, 3]], "int32"), START, END, max_length=4)
+    assert tokens.shape[0] == 1 and scores.shape == (1,)
