@@ -29,16 +29,10 @@ import tensorflow as tf
 
 from export.step import decode_step, init_cache, uncached_logits
 from export.tf_internals import in_xla_context
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound  # noqa: F401 (re-exported)
 from keras_transformer.masking import PAD_ID
 
-# Default room for the output: source length + 50 tokens (paper section 6.1).
-EXTRA_OUTPUT_LENGTH = 50
 _NEG = -1e9
-
-
-def length_penalty(length, alpha):
-    """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
-    return tf.pow((5.0 + tf.cast(length, tf.float32)) / 6.0, alpha)
 
 
 # ------------------------------------------------------------------ greedy decoding
@@ -383,21 +377,15 @@ def _prepare(model, source_ids, max_length):
     if not model.built:  # a model never called: decoding may be the first thing it does
         model.build()
 
-    def output_bound(source_length):
-        """Most output tokens for a source of `source_length`: + 50, or `max_length`; at least 1."""
-        bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else tf.cast(max_length, tf.int32)
-        if model.learned_positions:
-            # Output i is read from decoder position i, and a learned table has max_length positions.
-            bound = tf.minimum(bound, model.max_length)
-        return tf.maximum(bound, 1)
-
-    # Per sentence, so a sentence decodes the same alone or in any batch.
-    limits = tf.broadcast_to(output_bound(tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1)),
-                             [tf.shape(source_ids)[0]])
+    # The library's rule (source length + 50, or max_length; within a learned table; at least 1), per
+    # sentence, so a sentence decodes the same alone or in any batch.
+    limits = tf.broadcast_to(
+        tf.cast(output_bound(model, tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1), max_length), tf.int32),
+        [tf.shape(source_ids)[0]])
     if in_xla_context():
         # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
         # from the data, and buffers sized by it made the compiled loop 8x slower (greedy, batch 64).
-        steps = output_bound(tf.shape(source_ids)[1])
+        steps = tf.cast(output_bound(model, tf.shape(source_ids)[1], max_length), tf.int32)
     else:
         steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
     return model.encode(source_ids, training=False), source_mask, limits, steps

@@ -232,3 +232,69 @@ def full_pass_decoder(start_id):
         return {}, next_logits
 
     return decoder
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """Trained one epoch on the copy task: it has learned END but is still unsure,
+    so beams really differ (a random model never says END)."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.0)
+    model.compile(optimizer=kt.paper_adam(model.d_model, 100), loss=kt.MaskedSparseCategoricalCrossentropy())
+    x, y = copy_task(np.random.default_rng(0), 2048)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def copy_sources(seed, n):
+    """`n` sources of the copy task (random tokens, then END_ID)."""
+    return copy_task(np.random.default_rng(seed), n)[0][0]
+
+
+def random_model(seed, vocab=24, **kwargs):
+    """A tiny model with random weights of scale 0.5: it spreads its probability, so beams really differ."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0, **kwargs)
+    model.build()
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
+    return model
+
+
+def trimmed(tokens):
+    """Tokens `[batch, length]` (any backend's tensor) without their all-padding columns at the end."""
+    tokens = keras.ops.convert_to_numpy(tokens)
+    used = np.flatnonzero((tokens != 0).any(axis=0))
+    return tokens[:, : used[-1] + 1 if len(used) else 0]
+
+
+def uncached_greedy(model, source, max_length):
+    """Greedy decoding by the definition: a full forward pass for every new token."""
+    target = np.full((len(source), 1), START_ID, "int32")
+    finished = np.zeros(len(source), bool)
+    for t in range(max_length):
+        log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(model((source, target))[:, -1]))
+        log_probs[:, 0] = -np.inf  # padding is never produced
+        if t + 1 == max_length:
+            log_probs[:, np.arange(log_probs.shape[1]) != END_ID] = -np.inf
+        token = np.where(finished, 0, log_probs.argmax(-1))
+        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
+        finished |= token == END_ID
+        if finished.all():
+            break
+    return target[:, 1:]
+
+
+def never_ending_model(**kwargs):
+    """A random model whose end token always loses: only the length limit stops decoding."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
+    model.build()
+    bias = model.output_projection.bias
+    bias.assign(np.where(np.arange(24) == END_ID, -1e4, keras.ops.convert_to_numpy(bias)).astype("float32"))
+    return model
+
+
+def sources_of_2_and_6_tokens():
+    source = np.zeros((2, 6), "int32")
+    source[0, :2] = [5, 6]
+    source[1, :6] = [5, 6, 7, 8, 9, 10]
+    return source

@@ -10,38 +10,14 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from conftest import copy_task, multi30k_lines, needs_multi30k, random_ids
+from conftest import (copy_sources, multi30k_lines, needs_multi30k, never_ending_model,
+                      random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from export import search, step
 from export.engine_weights import engine_model
 from export.search import _block_length, _most_likely_token, _next_tokens, _top_k, beam_search, greedy_decode
 from export.translator import load_model_dir
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
-
-
-@pytest.fixture(scope="module")
-def copy_model():
-    """Trained one epoch on the copy task: it has learned END but is still unsure,
-    so beams really differ (a random model never says END)."""
-    model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.0)
-    model.compile(optimizer=kt.paper_adam(model.d_model, 100), loss=kt.MaskedSparseCategoricalCrossentropy())
-    x, y = copy_task(np.random.default_rng(0), 2048)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    return model
-
-
-def _sources(seed, n):
-    return copy_task(np.random.default_rng(seed), n)[0][0]
-
-
-def _model(seed, vocab=24, **kwargs):
-    # A random model spreads its probability, so beams really differ.
-    model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0, **kwargs)
-    model.build()
-    rng = np.random.default_rng(seed)
-    for weight in model.weights:
-        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
-    return model
 
 
 def _greedy(model, **kwargs):
@@ -55,13 +31,6 @@ def _beam(model, beam_size, **kwargs):
 # ------------------------------------------------------------------ the contract: the library's searches
 
 
-def _trimmed(tokens):
-    """Tokens `[batch, length]` without their all-padding columns at the end."""
-    tokens = np.asarray(tokens)
-    used = np.flatnonzero((tokens != 0).any(axis=0))
-    return tokens[:, : used[-1] + 1 if len(used) else 0]
-
-
 def _assert_engine_decodes_what_the_library_decodes(model, source):
     """Greedy and beam 4, each with the library's defaults: the same tokens, the same scores to float precision."""
     searches = {
@@ -71,14 +40,14 @@ def _assert_engine_decodes_what_the_library_decodes(model, source):
     for name, (library, engine) in searches.items():
         library_tokens, library_scores = tf.function(library)(source)
         engine_tokens, engine_scores = tf.function(engine)(source)
-        np.testing.assert_array_equal(_trimmed(engine_tokens), _trimmed(library_tokens), err_msg=name)
+        np.testing.assert_array_equal(trimmed(engine_tokens), trimmed(library_tokens), err_msg=name)
         np.testing.assert_allclose(np.asarray(engine_scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4,
                                    err_msg=name)
-    return _trimmed(engine_tokens)
+    return trimmed(engine_tokens)
 
 
 def test_the_engine_decodes_what_the_library_decodes_on_the_copy_task(copy_model):
-    source = _sources(21, 64)
+    source = copy_sources(21, 64)
     source[::4, 3:] = 0  # shorter sentences too
     source[::4, 3] = END
     tokens = _assert_engine_decodes_what_the_library_decodes(copy_model, source)
@@ -227,38 +196,20 @@ def test_hypotheses_read_their_sentence_cross_attention_cache():
 # ------------------------------------------------------------------ the searches
 
 
-def _uncached_greedy(model, source, max_length):
-    """Greedy decoding by the definition: a full forward pass for every new token."""
-    target = np.full((len(source), 1), START, "int32")
-    finished = np.zeros(len(source), bool)
-    for t in range(max_length):
-        log_probs = tf.nn.log_softmax(model((source, target))[:, -1]).numpy()
-        log_probs[:, 0] = -np.inf  # padding is never produced
-        if t + 1 == max_length:
-            log_probs[:, np.arange(log_probs.shape[1]) != END] = -np.inf
-        token = np.where(finished, 0, log_probs.argmax(-1))
-        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
-        finished |= token == END
-        if finished.all():
-            break
-    return target[:, 1:]
-
-
-# A vocabulary of 240 picks the best tokens by blocks (search._top_k), one of 24 by a plain top_k.
 @pytest.mark.parametrize("seed, vocab", [(0, 24), (0, 240)])
 def test_greedy_equals_greedy_by_the_definition(seed, vocab):
-    model = _model(seed, vocab)
+    model = random_model(seed, vocab)
     source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
     source[1, 3:] = 0
     tokens, _ = _greedy(model, max_length=12)(source)
-    expected = _uncached_greedy(model, source, max_length=12)
+    expected = uncached_greedy(model, source, max_length=12)
     np.testing.assert_array_equal(tokens.numpy(), expected[:, : tokens.shape[1]])
     assert (expected[:, tokens.shape[1] :] == 0).all()
 
 
 @pytest.mark.parametrize("beam_size", [None, 3])
 def test_cached_decoding_equals_uncached_decoding(copy_model, beam_size):
-    source = _sources(8, 16)
+    source = copy_sources(8, 16)
     if beam_size is None:
         cached, uncached = _greedy(copy_model), _greedy(copy_model, use_cache=False)
     else:
@@ -272,7 +223,7 @@ def test_cached_decoding_equals_uncached_decoding(copy_model, beam_size):
 @pytest.mark.parametrize("beam_size", [None, 3])
 def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
     # Inside jit_compile the cache is written with XLA's dynamic_update_slice, outside with a core op.
-    source = _sources(9, 16)
+    source = copy_sources(9, 16)
     if beam_size is None:
         decode = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
     else:
@@ -288,7 +239,7 @@ def test_beam_search_under_xla_sorts_no_vocabulary_row(vocab):
     # XLA on CPU keeps a top_k as its TopK kernel only while no slice is taken of the
     # result; otherwise it sorts the whole row, every step (once 8x slower than no XLA
     # at batch 64, when the row was a sentence's beam * vocab candidates).
-    model = _model(0, vocab)
+    model = random_model(0, vocab)
     source = random_ids(np.random.default_rng(0), 4, 6, high=24)
     decode = tf.function(lambda s: beam_search(model, s, START, END, beam_size=3), jit_compile=True)
     hlo = decode.experimental_get_compiler_ir(source)(stage="optimized_hlo")
@@ -333,7 +284,7 @@ def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_th
 
 
 def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model):
-    source = _sources(3, 128)
+    source = copy_sources(3, 128)
     greedy_tokens, greedy_scores = _greedy(copy_model)(source)
     beam_tokens, beam_scores = _beam(copy_model, 1)(source)
     np.testing.assert_array_equal(beam_tokens.numpy(), greedy_tokens.numpy())
@@ -344,7 +295,7 @@ def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model
 
 
 def test_scores_are_length_penalised_log_probabilities(copy_model):
-    source = _sources(4, 6)
+    source = copy_sources(4, 6)
     tokens, scores = _beam(copy_model, 3, alpha=0.6)(source)
     # Recompute each sentence's log-probability with a full forward pass.
     for i, row in enumerate(tokens.numpy()):
@@ -383,7 +334,7 @@ def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
         run = lambda s: beam_search(copy_model, s, START, END, beam_size=3)  # noqa: E731
     spec = [tf.TensorSpec([None, None], tf.int32)]
     one_loop = tf.function(run, input_signature=spec)
-    sources = _sources(11, 7)
+    sources = copy_sources(11, 7)
     sources[::3, 4:] = 0  # sentences of different lengths: the loops' outputs differ in length
     sources[::3, 3] = END
     for num_loops in (2, 3):
@@ -399,27 +350,11 @@ def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
         search.parallel_decode(run, sources, 0)
 
 
-def _never_ending_model(**kwargs):
-    """A random model whose end token always loses: only the length limit stops decoding."""
-    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
-    model.build()
-    bias = model.output_projection.bias
-    bias.assign(np.where(np.arange(24) == END, -1e4, bias.numpy()).astype("float32"))
-    return model
-
-
-def _sources_of_2_and_6_tokens():
-    source = np.zeros((2, 6), "int32")
-    source[0, :2] = [5, 6]
-    source[1, :6] = [5, 6, 7, 8, 9, 10]
-    return source
-
-
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_finished_sentences_leave_the_batch(decode, monkeypatch):
     """Outside XLA a step decodes only the sentences still going: once the shorter source reaches its
     limit (source length + 50), the decoder gets one sentence's rows (1 for greedy, k + 1 for beam)."""
-    model = _never_ending_model()
+    model = never_ending_model()
     rows_per_step = []
     decode_step = step.decode_step
 
@@ -428,7 +363,7 @@ def test_finished_sentences_leave_the_batch(decode, monkeypatch):
         return decode_step(model, token_ids, *args)
 
     monkeypatch.setattr(search, "decode_step", counting_decode_step)
-    source = _sources_of_2_and_6_tokens()
+    source = sources_of_2_and_6_tokens()
     if decode == "greedy":
         tokens, _ = greedy_decode(model, source, START, END)  # eagerly: the loop runs in Python
         rows = 1
@@ -440,8 +375,8 @@ def test_finished_sentences_leave_the_batch(decode, monkeypatch):
 
 
 def test_default_limit_is_source_length_plus_50():
-    model = _never_ending_model()
-    source = _sources_of_2_and_6_tokens()
+    model = never_ending_model()
+    source = sources_of_2_and_6_tokens()
     for decode in (greedy_decode, beam_search):
         tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
         assert list((tokens != 0).sum(axis=1)) == [2 + 50, 6 + 50]
@@ -451,8 +386,8 @@ def test_default_limit_is_source_length_plus_50():
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end,
     outside XLA and under it (where the bound comes from the padded source length)."""
-    model = _never_ending_model(learned_positions=True, max_length=12)
-    source = _sources_of_2_and_6_tokens()
+    model = never_ending_model(learned_positions=True, max_length=12)
+    source = sources_of_2_and_6_tokens()
     for decode in (greedy_decode, beam_search):
         for jit_compile in (False, True):
             tokens = tf.function(lambda s: decode(model, s, START, END), jit_compile=jit_compile)(source)[0].numpy()
@@ -464,7 +399,7 @@ def test_learned_positions_cap_the_output_at_the_position_table():
 
 
 def test_empty_batch_bad_rank_and_a_model_never_called():
-    model = _model(9)
+    model = random_model(9)
     tokens, scores = greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
     assert tokens.shape[0] == 0 and scores.shape == (0,)
     tokens, scores = beam_search(model, np.zeros((0, 4), "int32"), START, END)

@@ -5,69 +5,22 @@ import pytest
 from keras import ops
 
 import keras_transformer as kt
-from conftest import copy_task, full_pass_decoder, random_ids
+from conftest import (copy_sources, full_pass_decoder, never_ending_model,
+                      random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from keras_transformer.decoding import _beam_search, _greedy_decode, _most_likely_token, _next_tokens
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
 from portable.conftest import jit, to_numpy
 
 
-@pytest.fixture(scope="module")
-def copy_model():
-    """Trained one epoch on the copy task: it has learned END but is still unsure,
-    so beams really differ (a random model never says END)."""
-    model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.0)
-    model.compile(optimizer=kt.paper_adam(model.d_model, 100), loss=kt.MaskedSparseCategoricalCrossentropy())
-    x, y = copy_task(np.random.default_rng(0), 2048)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    return model
-
-
-def _sources(seed, n):
-    return copy_task(np.random.default_rng(seed), n)[0][0]
-
-
-def _model(seed, vocab=24):
-    # A random model spreads its probability, so beams really differ.
-    model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0)
-    model.build()
-    rng = np.random.default_rng(seed)
-    for weight in model.weights:
-        weight.assign(rng.normal(scale=0.5, size=weight.shape).astype("float32"))
-    return model
-
-
-def _trimmed(tokens):
-    """Tokens without their all-padding columns at the end."""
-    tokens = to_numpy(tokens)
-    return tokens[:, : int((tokens != 0).sum(axis=1).max(initial=0))]
-
-
-def _uncached_greedy(model, source, max_length):
-    """Greedy decoding by the definition: a full forward pass for every new token."""
-    target = np.full((len(source), 1), START, "int32")
-    finished = np.zeros(len(source), bool)
-    for t in range(max_length):
-        log_probs = to_numpy(ops.log_softmax(model((source, target))[:, -1]))
-        log_probs[:, 0] = -np.inf  # padding is never produced
-        if t + 1 == max_length:
-            log_probs[:, np.arange(log_probs.shape[1]) != END] = -np.inf
-        token = np.where(finished, 0, log_probs.argmax(-1))
-        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
-        finished |= token == END
-        if finished.all():
-            break
-    return target[:, 1:]
-
-
 @pytest.mark.parametrize("seed, vocab", [(0, 24), (1, 24), (0, 240)])
 def test_cached_greedy_equals_uncached_greedy(seed, vocab):
-    model = _model(seed, vocab)
+    model = random_model(seed, vocab)
     source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
     source[1, 3:] = 0
     tokens, _ = jit(lambda s: kt.greedy_decode(model, s, START, END, max_length=12))(source)
     tokens = to_numpy(tokens)
-    expected = _uncached_greedy(model, source, max_length=12)
+    expected = uncached_greedy(model, source, max_length=12)
     np.testing.assert_array_equal(tokens[:, : expected.shape[1]], expected)
     assert (tokens[:, expected.shape[1] :] == 0).all()
 
@@ -75,7 +28,7 @@ def test_cached_greedy_equals_uncached_greedy(seed, vocab):
 @pytest.mark.parametrize("beam_size", [None, 1, 3])
 def test_cached_decoding_equals_the_full_pass_every_step(copy_model, beam_size):
     """The same search over the cache and over a full decoder pass each step (the definition)."""
-    source = _sources(8, 16)
+    source = copy_sources(8, 16)
     full_pass = full_pass_decoder(START)
     if beam_size is None:
         cached = jit(lambda s: kt.greedy_decode(copy_model, s, START, END))
@@ -91,7 +44,7 @@ def test_cached_decoding_equals_the_full_pass_every_step(copy_model, beam_size):
 
 @pytest.mark.parametrize("beam_size", [None, 3])
 def test_compiled_decoding_equals_eager_decoding(copy_model, beam_size):
-    source = _sources(9, 16)
+    source = copy_sources(9, 16)
     if beam_size is None:
         decode = lambda s: kt.greedy_decode(copy_model, s, START, END)  # noqa: E731
     else:
@@ -126,7 +79,7 @@ def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_th
 
 
 def test_beam_size_one_is_greedy(copy_model):
-    source = _sources(2, 32)
+    source = copy_sources(2, 32)
     greedy_tokens, greedy_scores = jit(lambda s: kt.greedy_decode(copy_model, s, START, END))(source)
     beam_tokens, beam_scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=1))(source)
     np.testing.assert_array_equal(to_numpy(beam_tokens), to_numpy(greedy_tokens))
@@ -134,7 +87,7 @@ def test_beam_size_one_is_greedy(copy_model):
 
 
 def test_beam_score_is_never_below_greedy(copy_model):
-    source = _sources(3, 128)
+    source = copy_sources(3, 128)
     _, greedy_scores = jit(lambda s: kt.greedy_decode(copy_model, s, START, END))(source)
     _, beam_scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4))(source)
     greedy_scores, beam_scores = to_numpy(greedy_scores), to_numpy(beam_scores)
@@ -143,7 +96,7 @@ def test_beam_score_is_never_below_greedy(copy_model):
 
 
 def test_scores_are_length_penalised_log_probabilities(copy_model):
-    source = _sources(4, 6)
+    source = copy_sources(4, 6)
     tokens, scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=3, alpha=0.6))(source)
     # Recompute each sentence's log-probability with a full forward pass.
     for i, row in enumerate(to_numpy(tokens)):
@@ -170,32 +123,16 @@ def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
         run = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4))
     alone_tokens, alone_score = run(sentence)
     batch_tokens, batch_scores = run(batch)
-    alone = _trimmed(alone_tokens)[0]
+    alone = trimmed(alone_tokens)[0]
     batch_tokens = to_numpy(batch_tokens)
     np.testing.assert_array_equal(batch_tokens[1][: len(alone)], alone)
     assert (batch_tokens[1][len(alone) :] == 0).all()
     assert float(to_numpy(batch_scores)[1]) == pytest.approx(float(to_numpy(alone_score)[0]), rel=1e-5)
 
 
-def _never_ending_model(**kwargs):
-    """A random model whose end token always loses: only the length limit stops decoding."""
-    model = kt.Transformer.from_preset("tiny", vocab_size=24, tie_output_embedding=False, **kwargs)
-    model.build()
-    bias = model.output_projection.bias
-    bias.assign(np.where(np.arange(24) == END, -1e4, to_numpy(bias)).astype("float32"))
-    return model
-
-
-def _sources_of_2_and_6_tokens():
-    source = np.zeros((2, 6), "int32")
-    source[0, :2] = [5, 6]
-    source[1, :6] = [5, 6, 7, 8, 9, 10]
-    return source
-
-
 def test_default_limit_is_source_length_plus_50():
-    model = _never_ending_model()
-    source = _sources_of_2_and_6_tokens()
+    model = never_ending_model()
+    source = sources_of_2_and_6_tokens()
     for decode in (kt.greedy_decode, kt.beam_search):
         tokens = to_numpy(jit(lambda s: decode(model, s, START, END))(source)[0])
         assert tokens.shape == (2, 6 + 50)  # the loop's bound: the padded source length + 50
@@ -205,8 +142,8 @@ def test_default_limit_is_source_length_plus_50():
 
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end."""
-    model = _never_ending_model(learned_positions=True, max_length=12)
-    source = _sources_of_2_and_6_tokens()
+    model = never_ending_model(learned_positions=True, max_length=12)
+    source = sources_of_2_and_6_tokens()
     for decode in (kt.greedy_decode, kt.beam_search):
         tokens = to_numpy(jit(lambda s: decode(model, s, START, END))(source)[0])
         assert list((tokens != 0).sum(axis=1)) == [12, 12]
@@ -217,7 +154,7 @@ def test_learned_positions_cap_the_output_at_the_position_table():
 
 
 def test_empty_batch_and_bad_rank():
-    model = _model(9)
+    model = random_model(9)
     tokens, scores = kt.greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
     assert tokens.shape[0] == 0 and tuple(scores.shape) == (0,)
     tokens, scores = kt.beam_search(model, np.zeros((0, 4), "int32"), START, END)
