@@ -30,6 +30,8 @@ import tensorflow as tf
 from export.step import decode_step, init_cache, uncached_logits
 from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound  # noqa: F401 (re-exported)
+from keras_transformer.decoding import (  # the beam's bookkeeping, the library's own
+    _beam_update, _write_column)
 from keras_transformer.masking import PAD_ID
 
 _NEG = -1e9
@@ -61,25 +63,17 @@ _GREEDY_ROW_FIELDS = ("rows", "last", "finished", "log_prob", "lengths", "memory
 
 
 def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True):
-    """Batched greedy decoding with the key/value cache.
+    """`keras_transformer.greedy_decode` (the same tokens and scores) on the engine's step.
 
-    Args:
-        model: a `keras_transformer.Transformer`.
-        source_ids: int `[batch, source_len]`, padded with 0.
-        start_id, end_id: the target's start and end token ids.
-        max_length: most output tokens (end token included); by default each
-            sentence gets its own source length + 50. Never more than the
-            model's `max_length` with learned positions (its table ends there).
-        alpha: length-penalty exponent for the reported score.
-        use_cache: False recomputes the whole prefix every step (same tokens,
-            slower; for checks and benchmarks).
+    Rows that end leave the batch (outside XLA). Arguments as the library's, plus `use_cache=False`: a
+    full pass every step (same tokens, slower; the reference of `--no-cache` exports).
 
     Returns:
-        tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at
-            the limit) and padded with 0 after it; no start token.
+        tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at the limit), padded with 0
+            after it and trimmed to the longest; no start token.
         scores: float32 `[batch]`, log-probability / length penalty.
 
-    Wrap the call in `tf.function` for speed.
+    Wrap the call in `tf.function`.
     """
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
@@ -167,31 +161,12 @@ _BEAM_SENTENCE_FIELDS = (
     "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits", "memory")
 
 
-class _Candidates(NamedTuple):
-    """The 2k best one-token extensions of a sentence's k beams, best first, each `[batch, 2k, ...]`."""
-
-    log_prob: tf.Tensor  # [batch, 2k]
-    beam: tf.Tensor  # [batch, 2k] the beam it extends
-    token: tf.Tensor  # [batch, 2k] the token it adds
-    tokens: tf.Tensor  # [batch, 2k, steps] its whole output
-    ends: tf.Tensor  # [batch, 2k] bool: the token is the end token
-
-
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
-    """Batched beam search with the key/value cache and a length penalty.
+    """`keras_transformer.beam_search` (the same hypotheses, scores and early stop) on the engine's step.
 
-    Each step extends every live hypothesis by every token and keeps the
-    `2 * beam_size` best by log-probability. A candidate that ends with
-    `end_id` among the best `beam_size` is finished and scored with the length
-    penalty; the best `beam_size` that do not end stay alive. A sentence's
-    beam is done when it has `beam_size` finished hypotheses (or reaches its
-    length limit, where only `end_id` may come), or earlier, as soon as no live
-    hypothesis can still beat its best finished one.
-
-    Beam search alone can prune the greedy path and end below it, so each
-    sentence also carries its greedy hypothesis as one more row of the same
-    loop, and that hypothesis competes with the finished ones: the result is
-    never scored below `greedy_decode`'s, and beam size 1 is greedy decoding.
+    Each sentence's k beams and its greedy hypothesis are k + 1 rows of one loop; a sentence whose rows
+    can change nothing more leaves the batch (outside XLA). The beam's bookkeeping is the library's own
+    (`keras_transformer.decoding`), gathering rows with one `tf.gather` op.
 
     Args:
         model: a `keras_transformer.Transformer`.
@@ -199,17 +174,16 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: length-penalty exponent (0.6 in the paper).
-        max_length: most output tokens; by default source length + 50. Never
-            more than the model's `max_length` with learned positions.
-        use_cache: False recomputes the whole prefix every step (same result,
-            slower; for checks and benchmarks).
+        max_length: most output tokens; by default source length + 50.
+        use_cache: False recomputes the whole prefix every step (same result, slower; the reference
+            of `--no-cache` exports).
 
     Returns:
-        tokens: int32 `[batch, length]`, the best finished hypothesis, padded
-            with 0 after `end_id`.
+        tokens: int32 `[batch, length]`, the best finished hypothesis, padded with 0 after `end_id`,
+            trimmed to the longest.
         scores: float32 `[batch]`, its log-probability / length penalty.
 
-    Wrap the call in `tf.function` for speed.
+    Wrap the call in `tf.function`.
     """
     k = beam_size
     rows = k + 1  # per sentence: k beams, then the greedy hypothesis
@@ -232,36 +206,17 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
         )
         best = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
-        best = _NextTokens(*(tf.reshape(x, [batch_size, rows, -1]) for x in best))
+        n = -1 if best.token.shape[-1] is None else best.token.shape[-1]  # static: no shape ops per step
+        best = _NextTokens(*(tf.reshape(x, [batch_size, rows, n]) for x in best))
 
-        beams_best, greedy_best = _NextTokens(*(x[:, :k] for x in best)), _NextTokens(*(x[:, k] for x in best))
-
-        greedy_token, greedy_tokens, greedy_log_prob, greedy_ends = _greedy_step(
-            greedy_best, cache_index, state.greedy_tokens, state.greedy_log_prob, state.greedy_done, end_id
-        )
-        candidates = _beam_candidates(state.alive_log_prob, beams_best, state.alive_tokens, cache_index, end_id, k)
-        finished_tokens, finished_scores, num_finished = _finish(
-            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(cache_index + 1, alpha), k
-        )
-        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
-        if use_cache:
-            cache = _reorder_cache(cache, tf.concat([alive_beam, tf.fill([batch_size, 1], k)], axis=1))
-        state = _stop_early(state._replace(
+        state, source_row = _beam_update(state, best, cache_index, limits, end_id, k, alpha, _gather_rows)
+        sentences = state.sentences[:, None]
+        state = state._replace(
             cache_index=cache_index + 1,
-            last=tf.concat([alive_token, greedy_token[:, None]], axis=1),
-            alive_tokens=alive_tokens,
-            alive_log_prob=alive_log_prob,
-            finished_tokens=finished_tokens,
-            finished_scores=finished_scores,
-            num_finished=num_finished,
-            beam_done=state.beam_done | (num_finished >= k) | (cache_index + 1 >= limits),
-            greedy_tokens=greedy_tokens,
-            greedy_log_prob=greedy_log_prob,
-            greedy_done=state.greedy_done | greedy_ends,
-            cache=cache,
-            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, state.sentences[:, None], finished_tokens[:, 0]),
-            best_scores=tf.tensor_scatter_nd_update(state.best_scores, state.sentences[:, None], finished_scores[:, 0]),
-        ), alpha)
+            cache=_reorder_cache(cache, source_row) if use_cache else cache,
+            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, sentences, state.finished_tokens[:, 0]),
+            best_scores=tf.tensor_scatter_nd_update(state.best_scores, sentences, state.finished_scores[:, 0]),
+        )
         return _leave_when_done(state, state.beam_done & state.greedy_done, _BEAM_SENTENCE_FIELDS, rows)
 
     def not_done(state):
@@ -293,48 +248,9 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     return _trim(state.best_tokens), state.best_scores
 
 
-def _beam_candidates(alive_log_prob, best, alive_tokens, cache_index, end_id, k):
-    """Every alive beam `[batch, k]` extended by its best tokens (`best`: `_NextTokens` `[batch, k, n]`): the best 2k.
-
-    2k, so that k remain alive even if k of them end. A beam's 2k best
-    tokens are all its candidates that can be among them.
-    """
-    batch_size, n = tf.shape(alive_log_prob)[0], tf.shape(best.token)[-1]
-    log_prob, index = tf.math.top_k(tf.reshape(alive_log_prob[:, :, None] + best.log_prob, [batch_size, -1]), 2 * k)
-    beam, token = index // n, tf.gather(tf.reshape(best.token, [batch_size, -1]), index, batch_dims=1)
-    tokens = _write_column(tf.gather(alive_tokens, beam, batch_dims=1), cache_index, token)
-    return _Candidates(log_prob, beam, token, tokens, tf.equal(token, end_id))
-
-
-def _finish(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k):
-    """The best k finished hypotheses once the ending candidates among the best k, and a
-    greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
-
-    Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
-    the sentences' counts of finished beams `[batch]`.
-    """
-    # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
-    # runs a top_k as its fast TopK kernel only if no slice is taken of the result
-    # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
-    # The k extra candidates score _NEG after the finished ones, so no choice changes.
-    newly_finished = (
-        candidates.ends & _first(k, 2 * k) & ~state.beam_done[:, None] & (candidates.log_prob > _NEG / 2)
-    )
-    new_scores = tf.where(newly_finished, candidates.log_prob / penalty, _NEG)
-    greedy_score = tf.where(greedy_ends, greedy_log_prob / penalty, _NEG)
-    scores, best = tf.math.top_k(tf.concat([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
-    tokens = tf.gather(
-        tf.concat([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1), best, batch_dims=1
-    )
-    return tokens, scores, state.num_finished + tf.reduce_sum(tf.cast(newly_finished, tf.int32), axis=1)
-
-
-def _keep_alive(candidates, k):
-    """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
-    `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
-    log_prob, keep = tf.math.top_k(tf.where(candidates.ends, _NEG, candidates.log_prob), k)
-    kept = [tf.gather(values, keep, batch_dims=1) for values in (candidates.tokens, candidates.beam, candidates.token)]
-    return (log_prob, *kept)
+def _gather_rows(x, index):
+    """`x` `[batch, n, ...]` -> `[batch, m, ...]`: each sentence's rows `index` `[batch, m]`, as one op."""
+    return tf.gather(x, index, batch_dims=1)
 
 
 def _reorder_cache(cache, source_row):
@@ -346,22 +262,6 @@ def _reorder_cache(cache, source_row):
         # Identical for every row of a sentence: nothing to reorder.
         "cross_attention": cache["cross_attention"],
     }
-
-
-def _stop_early(state, alpha):
-    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
-
-    A log-probability only falls as a hypothesis grows, so its best possible
-    score is now over the largest penalty it can still reach (it has
-    `cache_index` tokens now, its limit at most). The result is
-    unchanged; the loop just ends sooner.
-    """
-    largest_penalty = tf.maximum(length_penalty(state.cache_index, alpha), length_penalty(state.limits, alpha))
-    best_finished = state.finished_scores[:, 0]
-    return state._replace(
-        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
-        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
-    )
 
 
 # ------------------------------------------------------------------ what both searches share
@@ -506,16 +406,6 @@ def _greedy_step(best, cache_index, tokens, log_prob, done, end_id):
     token, token_log_prob = tf.where(done, PAD_ID, best.token[:, 0]), tf.where(done, 0.0, best.log_prob[:, 0])
     tokens = None if tokens is None else _write_column(tokens, cache_index, token)
     return token, tokens, log_prob + token_log_prob, tf.equal(token, end_id)
-
-
-def _write_column(tokens, position, column):
-    """tokens `[..., steps]` with `position` set to `column` `[...]`."""
-    return tf.where(tf.range(tf.shape(tokens)[-1]) == position, column[..., None], tokens)
-
-
-def _first(n, size):
-    """bool `[size]`, True at the first `n` positions."""
-    return tf.range(size) < n
 
 
 def _cache_length(steps):

@@ -10,9 +10,9 @@ but computes with TensorFlow ops chosen for a CPU serving graph; the library its
 Why a step is written this way: at batch 1 it costs its ops' dispatch, not its FLOPs (~9 MFLOP), so a
 greedy step went from ~510 to ~330 executed ops:
 
-- projections as plain 2-D matmuls on the weights of Keras' `EinsumDense`/`Dense` (Q, K and V fused
-  into one in self-attention, K and V in cross-attention), where Keras' layers are tensordots and
-  einsums with several ops of shape plumbing each;
+- projections as plain 2-D matmuls on the weights of Keras' `EinsumDense`/`Dense`, the library's own
+  (`keras_transformer.linear`: Q, K and V fused into one in self-attention, K and V in cross-attention),
+  where Keras' layers are tensordots and einsums with several ops of shape plumbing each;
 - caches laid out heads-first, `[batch, heads, length, d_k]`, the layout the attention's batched
   matmuls read (a transpose of the cache was a quarter of a step on CPU), and constant-shape reshapes
   instead of transposes for the one new position;
@@ -34,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from export.tf_internals import eigen_batch_matmul, in_xla_context
+from keras_transformer.linear import is_plain, project_heads, project_output
 from keras_transformer.masking import PAD_ID
 
 
@@ -99,7 +100,7 @@ def _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_c
     x, _ = _residual_block(
         layer, layer.cross_attention_norm, x,
         lambda h: (_cross_attention_step(layer.cross_attention, h, source_cache, source_mask), None))
-    x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h: (_feed_forward(layer.feed_forward, h), None))
+    x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h: (layer.feed_forward(h), None))
     return x, self_cache
 
 
@@ -134,7 +135,7 @@ def _check_plain(attention):
         not getattr(attention, "_use_gate", False)  # gate and sliding window are newer than keras 3.12
         and getattr(attention, "_sliding_window", None) is None
         and tuple(attention._attention_axes) == (1,)
-        and all(_is_plain(dense) for dense in (
+        and all(is_plain(dense) for dense in (
             attention._query_dense, attention._key_dense, attention._value_dense, attention._output_dense))
     )
     if not plain:
@@ -153,7 +154,7 @@ def _empty_cache(attention, batch_size, max_length):
 def _source_cache(attention, encoder_output):
     """The cross-attention keys and values of `encoder_output` `[batch, length, dim]`, projected once (one
     fused matmul): `(keys, values)`, each `[batch, num_heads, length, key_dim]`."""
-    return tuple(_heads_first(h) for h in _project_fused(encoder_output, [attention._key_dense,
+    return tuple(_heads_first(h) for h in project_heads(encoder_output, [attention._key_dense,
                                                                           attention._value_dense]))
 
 
@@ -162,7 +163,7 @@ def _self_attention_step(attention, x, cache, cache_index):
 
     Returns (output `[rows, 1, dim]`, the cache with the new position's keys and values).
     """
-    query, new_keys, new_values = _project_fused(
+    query, new_keys, new_values = project_heads(
         x, [attention._query_dense, attention._key_dense, attention._value_dense])
     keys = _write_at(cache[0], cache_index, _heads_first(new_keys))
     values = _write_at(cache[1], cache_index, _heads_first(new_values))
@@ -173,7 +174,7 @@ def _self_attention_step(attention, x, cache, cache_index):
     # mask to build (the ops of a mask cost more than its arithmetic at one position).
     output = _attend(attention, _heads_first(query), keys, values, mask)
     output = _heads_first(output)  # [rows, num_heads, 1, d] -> [rows, 1, num_heads, d]: its own inverse
-    return _project_output(output, attention._output_dense), (keys, values)
+    return project_output(output, attention._output_dense), (keys, values)
 
 
 def _cross_attention_step(attention, x, cache, source_mask):
@@ -187,12 +188,12 @@ def _cross_attention_step(attention, x, cache, source_mask):
     keys, values = cache
     sentences = tf.shape(keys)[0]
     query = tf.reshape(
-        _project(x, attention._query_dense), [sentences, -1, attention.num_heads, 1, attention.key_dim]
+        project_heads(x, [attention._query_dense])[0], [sentences, -1, attention.num_heads, 1, attention.key_dim]
     )
     mask = source_mask[:, None, :][:, None]  # [sentences, 1, 1, source_len]
     output = _attend(attention, query, keys[:, None], values[:, None], mask)
     output = tf.reshape(output, [-1, 1, attention.num_heads, attention.value_dim])
-    return _project_output(output, attention._output_dense)
+    return project_output(output, attention._output_dense)
 
 
 def _attend(attention, query, key, value, attention_mask):
@@ -272,87 +273,7 @@ def _causal_mask(query_length, key_length, start):
     return (key_positions <= query_positions)[None]
 
 
-# ------------------------------------------------------------------ x W + b as 2-D matmuls
-
-
-def _is_plain(dense):
-    """True when `dense` computes x W + b with a float kernel (not quantized), which `_matmul_2d` reproduces."""
-    return dense.quantization_mode is None
-
-
-def _weight(variable, dtype):
-    """A Keras variable's value in the compute dtype (bfloat16 under mixed precision)."""
-    return tf.cast(keras.ops.convert_to_tensor(variable), dtype)
-
-
-def _matmul_2d(x, dense, in_features=None):
-    """`x` `[n, in_features]` times `dense`'s kernel reshaped to `[in_features, -1]`, plus its bias.
-
-    `in_features` defaults to the kernel's first axis (`Dense`); W^O's kernel `[heads, head_dim, dim]`
-    needs `heads * head_dim`. Returns `[n, out_features]` in the layer's compute dtype.
-    """
-    dtype = dense.compute_dtype
-    in_features = dense.kernel.shape[0] if in_features is None else in_features
-    y = tf.matmul(tf.cast(x, dtype), tf.reshape(_weight(dense.kernel, dtype), [in_features, -1]))
-    if dense.bias is not None:
-        y = tf.nn.bias_add(y, tf.reshape(_weight(dense.bias, dtype), [-1]))
-    return y
-
-
-def _feed_forward(feed_forward, x):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 on `x` `[batch, length, d_model]`.
-
-    Two 2-D matmuls on [batch * length, d_model]. Keras' Dense on a 3-D input is a tensordot
-    with about 10 ops of shape plumbing, which a decoding step pays per op, not per FLOP.
-    Quantized kernels run the layer's own call.
-    """
-    inner, outer = feed_forward.inner, feed_forward.outer
-    if not (_is_plain(inner) and _is_plain(outer)):
-        return feed_forward(x)
-    y = tf.nn.relu(_matmul_2d(tf.reshape(x, [-1, inner.kernel.shape[0]]), inner))
-    return tf.reshape(_matmul_2d(y, outer), tf.shape(x))
-
-
-def _project(x, dense):
-    """`x` `[batch, length, dim]` through a head projection `dense` as one 2-D matmul:
-    `[batch, length, heads, head_dim]`."""
-    (heads,) = _project_fused(x, [dense])
-    return heads
-
-
-def _project_fused(x, denses):
-    """`x` through several head projections at once: one matmul with their kernels side by side.
-
-    Each `dense` is an `EinsumDense` "abc,cde->abde" with kernel
-    `[dim, heads, head_dim]` and bias `[heads, head_dim]`; returns one
-    `[batch, length, heads, head_dim]` per dense.
-    """
-    dtype = denses[0].compute_dtype
-    x = tf.cast(x, dtype)
-    dim = x.shape[-1]
-    kernels = [tf.reshape(_weight(dense.kernel, dtype), [dim, -1]) for dense in denses]
-    y = tf.matmul(tf.reshape(x, [-1, dim]), kernels[0] if len(kernels) == 1 else tf.concat(kernels, axis=1))
-    if denses[0].bias is not None:
-        biases = [tf.reshape(_weight(dense.bias, dtype), [-1]) for dense in denses]
-        y = tf.nn.bias_add(y, biases[0] if len(biases) == 1 else tf.concat(biases, axis=0))
-    outputs = tf.split(y, [kernel.shape[1] for kernel in kernels], axis=1) if len(kernels) > 1 else [y]
-    return [tf.reshape(out, _batch_and_length(x) + list(dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
-
-
-def _project_output(heads, dense):
-    """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
-    num_heads, head_dim, dim = dense.kernel.shape
-    y = _matmul_2d(tf.reshape(heads, [-1, num_heads * head_dim]), dense, num_heads * head_dim)
-    return tf.reshape(y, _batch_and_length(heads) + [dim])
-
-
-def _batch_and_length(x):
-    """The first two axes of `x` as a shape prefix: `[-1, length]` when the length is static (a decoding
-    step: a constant shape, so no shape ops at every step), else both read from `tf.shape(x)`."""
-    if x.shape[1] is not None:
-        return [-1, x.shape[1]]
-    shape = tf.shape(x)
-    return [shape[0], shape[1]]
+# ------------------------------------------------------------------ heads
 
 
 def _heads_first(x):

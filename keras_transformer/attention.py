@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_transformer.linear import is_plain, matmul_2d, weight
+from keras_transformer.linear import is_plain, project_heads, project_output
 from keras_transformer.masking import causal_mask
 
 # The score a masked position gets before the softmax (as Keras' own Softmax does).
@@ -116,7 +116,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             attention_mask = causal if attention_mask is None else ops.logical_and(
                 ops.cast(attention_mask, "bool"), causal)
         output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
-        output = _project_output(_heads_first(output), self._output_dense)
+        output = project_output(_heads_first(output), self._output_dense)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
             outputs += (cache,)
@@ -125,13 +125,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     def _project_heads(self, query, value, key):
         """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input."""
         if query is value and key is value:
-            return _project_fused(query, [self._query_dense, self._key_dense, self._value_dense])
+            return project_heads(query, [self._query_dense, self._key_dense, self._value_dense])
         return (_project(query, self._query_dense), *self._project_keys_values(value, key))
 
     def _project_keys_values(self, value, key):
         """K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul when `key is value`."""
         if key is value:
-            return tuple(_project_fused(value, [self._key_dense, self._value_dense]))
+            return tuple(project_heads(value, [self._key_dense, self._value_dense]))
         return _project(key, self._key_dense), _project(value, self._value_dense)
 
     def _compute_attention(
@@ -188,37 +188,8 @@ def masked_softmax(scores, mask):
 
 def _project(x, dense):
     """`x` `[batch, length, dim]` through a head projection `dense` as one 2-D matmul: `[batch, length, heads, head_dim]`."""
-    (heads,) = _project_fused(x, [dense])
+    (heads,) = project_heads(x, [dense])
     return heads
-
-
-def _project_fused(x, denses):
-    """`x` through several head projections at once: one matmul with their kernels side by side.
-
-    Each `dense` is an `EinsumDense` "abc,cde->abde" with kernel
-    `[dim, heads, head_dim]` and bias `[heads, head_dim]`; returns one
-    `[batch, length, heads, head_dim]` per dense.
-    """
-    dtype = denses[0].compute_dtype
-    x = ops.cast(x, dtype)
-    dim = x.shape[-1]
-    kernels = [ops.reshape(weight(dense.kernel, dtype), (dim, -1)) for dense in denses]
-    y = ops.matmul(ops.reshape(x, (-1, dim)), kernels[0] if len(kernels) == 1 else ops.concatenate(kernels, axis=1))
-    if denses[0].bias is not None:
-        biases = [ops.reshape(weight(dense.bias, dtype), (-1,)) for dense in denses]
-        y = y + (biases[0] if len(biases) == 1 else ops.concatenate(biases, axis=0))
-    widths = [dense.kernel.shape[1] * dense.kernel.shape[2] for dense in denses]
-    outputs = ops.split(y, [sum(widths[:i + 1]) for i in range(len(widths) - 1)], axis=1) if len(denses) > 1 else [y]
-    batch, length = ops.shape(x)[0], ops.shape(x)[1]
-    return [ops.reshape(out, (batch, length, *dense.kernel.shape[1:])) for out, dense in zip(outputs, denses)]
-
-
-def _project_output(heads, dense):
-    """Heads `[batch, length, heads, head_dim]` through W^O (`EinsumDense` "abcd,cde->abe") as one 2-D matmul."""
-    num_heads, head_dim, dim = dense.kernel.shape
-    batch, length = ops.shape(heads)[0], ops.shape(heads)[1]
-    y = matmul_2d(ops.reshape(heads, (-1, num_heads * head_dim)), dense, num_heads * head_dim)
-    return ops.reshape(y, (batch, length, dim))
 
 
 def _heads_first(x):

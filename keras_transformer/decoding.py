@@ -403,94 +403,125 @@ class _Beam(NamedTuple):
         best = _next_tokens(ops.cast(logits, "float32"), at_limit, self.end_id, 2 * k)
         best = _NextTokens(*(ops.reshape(x, (batch_size, rows, x.shape[-1])) for x in best))
 
-        greedy = _NextTokens(best.log_prob[:, k, 0], best.token[:, k, 0])
-        greedy_token = ops.where(state.greedy_done, PAD_ID, greedy.token)
-        greedy_log_prob = state.greedy_log_prob + ops.where(state.greedy_done, 0.0, greedy.log_prob)
-        greedy_tokens = _write_column(state.greedy_tokens, index, greedy_token)
-        greedy_ends = greedy_token == self.end_id
-
-        candidates = self._candidates(state, _NextTokens(best.log_prob[:, :k], best.token[:, :k]))
-        finished_tokens, finished_scores, num_finished = self._finish(
-            state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(index + 1, self.alpha))
-        alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k)
-        source_row = ops.concatenate([alive_beam, ops.full((batch_size, 1), k, "int32")], axis=1)
-        return self._stop_early(state._replace(
-            index=index + 1,
-            last=ops.concatenate([alive_token, greedy_token[:, None]], axis=1),
-            alive_tokens=alive_tokens,
-            alive_log_prob=alive_log_prob,
-            finished_tokens=finished_tokens,
-            finished_scores=finished_scores,
-            num_finished=num_finished,
-            beam_done=state.beam_done | (num_finished >= k) | (index + 1 >= self.limits),
-            greedy_tokens=greedy_tokens,
-            greedy_log_prob=greedy_log_prob,
-            greedy_done=state.greedy_done | greedy_ends,
-            cache=_reorder_rows(cache, source_row),
-        ))
-
-    def _candidates(self, state, best):
-        """Every alive beam `[batch, k]` extended by its best tokens (`best` `[batch, k, n]`): the best 2k.
-
-        2k, so that k remain alive even if k of them end. A beam's 2k best
-        tokens are all its candidates that can be among them.
-        """
-        batch_size, n, steps = ops.shape(state.last)[0], best.token.shape[-1], ops.shape(state.alive_tokens)[-1]
-        log_prob, index = ops.top_k(
-            ops.reshape(state.alive_log_prob[:, :, None] + best.log_prob, (batch_size, self.k * n)), 2 * self.k)
-        index = ops.cast(index, "int32")
-        beam = index // n
-        token = ops.take_along_axis(ops.reshape(best.token, (batch_size, self.k * n)), index, axis=1)
-        tokens = ops.take_along_axis(state.alive_tokens, ops.broadcast_to(beam[:, :, None], (batch_size, 2 * self.k,
-                                                                                             steps)), axis=1)
-        return _Candidates(log_prob, beam, token, _write_column(tokens, state.index, token), token == self.end_id)
-
-    def _finish(self, state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty):
-        """The best k finished hypotheses once the ending candidates among the best k, and a
-        greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
-
-        Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
-        the sentences' counts of finished beams `[batch]`.
-        """
-        k = self.k
-        newly_finished = (candidates.ends & (ops.arange(2 * k) < k)[None] & ops.logical_not(state.beam_done)[:, None]
-                          & (candidates.log_prob > _NEG / 2))
-        new_scores = ops.where(newly_finished, candidates.log_prob / penalty, _NEG)
-        greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, _NEG)
-        scores, best = ops.top_k(ops.concatenate([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
-        pool = ops.concatenate([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1)
-        best = ops.broadcast_to(ops.cast(best, "int32")[:, :, None], (ops.shape(pool)[0], k, ops.shape(pool)[2]))
-        num_finished = state.num_finished + ops.sum(ops.cast(newly_finished, "int32"), axis=1)
-        return ops.take_along_axis(pool, best, axis=1), scores, num_finished
-
-    def _stop_early(self, state):
-        """`state` with its beams, and greedy hypotheses, done where they can no longer win.
-
-        A log-probability only falls as a hypothesis grows, so its best possible
-        score is now over the largest penalty it can still reach (it has
-        `index` tokens now, its limit at most). The result is unchanged; the
-        loop just ends sooner.
-        """
-        largest_penalty = ops.maximum(length_penalty(state.index, self.alpha), length_penalty(self.limits, self.alpha))
-        best_finished = state.finished_scores[:, 0]
-        return state._replace(
-            beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
-            greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
-        )
+        state, source_row = _beam_update(state, best, index, self.limits, self.end_id, k, self.alpha)
+        return state._replace(index=index + 1, cache=_reorder_rows(cache, source_row))
 
     def done(self, state):
         return ops.all(state.beam_done & state.greedy_done)
 
 
-def _keep_alive(candidates, k):
+# The beam's bookkeeping (`_beam_update` and its parts), shared with the TensorFlow serving engine
+# (export/search.py). It passes `take_rows=` a one-op `tf.gather(batch_dims=1)`, since `take_along_axis`
+# broadcasts, swaps axes and fixes negative indices (a dozen ops), and a decoding step at batch 1 costs
+# its ops' dispatch. Each works on any state with the fields of `_BeamState` it reads.
+
+
+def _take_rows(x, index):
+    """`x` `[batch, n, ...]` -> `[batch, m, ...]`: each sentence's rows `index` `[batch, m]` (int32)."""
+    extra_axes = len(x.shape) - 2
+    if extra_axes:
+        index = ops.broadcast_to(ops.reshape(index, (*ops.shape(index), *([1] * extra_axes))),
+                                 (*ops.shape(index), *ops.shape(x)[2:]))
+    return ops.take_along_axis(x, index, axis=1)
+
+
+def _beam_candidates(state, best, index, end_id, k, take_rows=_take_rows):
+    """Every alive beam (`state.alive_log_prob` `[batch, k]`, `state.alive_tokens` `[batch, k, steps]`)
+    extended by its best tokens (`best`: `_NextTokens` `[batch, k, n]`) at position `index`: the best 2k,
+    as `_Candidates`.
+
+    2k, so that k remain alive even if k of them end. A beam's 2k best
+    tokens are all its candidates that can be among them.
+    """
+    batch_size = ops.shape(state.alive_log_prob)[0]
+    n = best.token.shape[-1] if best.token.shape[-1] is not None else ops.shape(best.token)[-1]
+    log_prob, flat = ops.top_k(ops.reshape(state.alive_log_prob[:, :, None] + best.log_prob, (batch_size, k * n)),
+                               2 * k)
+    flat = ops.cast(flat, "int32")
+    beam, token = flat // n, take_rows(ops.reshape(best.token, (batch_size, k * n)), flat)
+    tokens = _write_column(take_rows(state.alive_tokens, beam), index, token)
+    return _Candidates(log_prob, beam, token, tokens, token == end_id)
+
+
+def _finish_hypotheses(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k,
+                       take_rows=_take_rows):
+    """The best k finished hypotheses once the ending candidates among the best k, and a
+    greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
+
+    Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
+    the sentences' counts of finished beams `[batch]`.
+    """
+    # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
+    # runs a top_k as its fast TopK kernel only if no slice is taken of the result
+    # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
+    # The k extra candidates score _NEG after the finished ones, so no choice changes.
+    newly_finished = (candidates.ends & (ops.arange(2 * k) < k)[None] & ops.logical_not(state.beam_done)[:, None]
+                      & (candidates.log_prob > _NEG / 2))
+    new_scores = ops.where(newly_finished, candidates.log_prob / penalty, _NEG)
+    greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+    scores, best = ops.top_k(ops.concatenate([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
+    pool = ops.concatenate([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1)
+    num_finished = state.num_finished + ops.sum(ops.cast(newly_finished, "int32"), axis=1)
+    return take_rows(pool, ops.cast(best, "int32")), scores, num_finished
+
+
+def _keep_alive(candidates, k, take_rows=_take_rows):
     """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
     `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
     log_prob, keep = ops.top_k(ops.where(candidates.ends, _NEG, candidates.log_prob), k)
     keep = ops.cast(keep, "int32")
-    batch_size, steps = ops.shape(candidates.tokens)[0], ops.shape(candidates.tokens)[2]
-    tokens = ops.take_along_axis(candidates.tokens, ops.broadcast_to(keep[:, :, None], (batch_size, k, steps)), axis=1)
-    beam, token = (ops.take_along_axis(values, keep, axis=1) for values in (candidates.beam, candidates.token))
-    return log_prob, tokens, beam, token
+    return (log_prob, *(take_rows(values, keep) for values in (candidates.tokens, candidates.beam, candidates.token)))
+
+
+def _stop_early(state, index, limits, alpha):
+    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
+
+    A log-probability only falls as a hypothesis grows, so its best possible
+    score is now over the largest penalty it can still reach (it has
+    `index` tokens now, its limit `limits` `[batch]` at most). The result is
+    unchanged; the loop just ends sooner.
+    """
+    largest_penalty = ops.maximum(length_penalty(index, alpha), length_penalty(limits, alpha))
+    best_finished = state.finished_scores[:, 0]
+    return state._replace(
+        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
+        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
+    )
+
+
+def _beam_update(state, best, index, limits, end_id, k, alpha, take_rows=_take_rows):
+    """The beam's bookkeeping for one step: each row's best next tokens `best` (`_NextTokens`
+    `[batch, k + 1, 2k]`, the k beams then the greedy hypothesis) at position `index` grow the
+    hypotheses; those that end are scored and finished, the best k that do not stay alive, and a
+    sentence is done once it has k finished, reaches its limit (`limits` `[batch]`) or can no longer win.
+
+    Returns `state` with its hypothesis fields updated (not its index or cache), and the row
+    `[batch, k + 1]` of its sentence whose cache each row takes.
+    """
+    greedy_done = state.greedy_done
+    greedy_token = ops.where(greedy_done, PAD_ID, best.token[:, k, 0])
+    greedy_log_prob = state.greedy_log_prob + ops.where(greedy_done, 0.0, best.log_prob[:, k, 0])
+    greedy_tokens = _write_column(state.greedy_tokens, index, greedy_token)
+    greedy_ends = greedy_token == end_id
+
+    candidates = _beam_candidates(state, _NextTokens(best.log_prob[:, :k], best.token[:, :k]), index, end_id, k,
+                                  take_rows)
+    finished_tokens, finished_scores, num_finished = _finish_hypotheses(
+        state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(index + 1, alpha), k, take_rows)
+    alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k, take_rows)
+    state = _stop_early(state._replace(
+        last=ops.concatenate([alive_token, greedy_token[:, None]], axis=1),
+        alive_tokens=alive_tokens,
+        alive_log_prob=alive_log_prob,
+        finished_tokens=finished_tokens,
+        finished_scores=finished_scores,
+        num_finished=num_finished,
+        beam_done=state.beam_done | (num_finished >= k) | (index + 1 >= limits),
+        greedy_tokens=greedy_tokens,
+        greedy_log_prob=greedy_log_prob,
+        greedy_done=greedy_done | greedy_ends,
+    ), index + 1, limits, alpha)
+    return state, ops.concatenate([alive_beam, ops.full((ops.shape(alive_beam)[0], 1), k, "int32")], axis=1)
 
 
 def _reorder_rows(cache, source_row):

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_transformer.linear import is_plain, matmul_2d
+from keras_transformer.linear import batch_and_length, is_plain, matmul_2d
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -44,7 +44,7 @@ class FeedForward(keras.layers.Layer):
         # Two 2-D matmuls on [batch * length, d_model]: one weight gradient each, where Keras' Dense on a
         # 3-D input (a tensordot) computes it per sentence and sums it.
         y = ops.relu(matmul_2d(ops.reshape(x, (-1, self.d_model)), self.inner))
-        return ops.reshape(matmul_2d(y, self.outer), ops.shape(x))
+        return ops.reshape(matmul_2d(y, self.outer), batch_and_length(x) + (self.d_model,))
 
     def compute_output_shape(self, input_shape):
         return input_shape

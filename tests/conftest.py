@@ -298,3 +298,29 @@ def sources_of_2_and_6_tokens():
     source[0, :2] = [5, 6]
     source[1, :6] = [5, 6, 7, 8, 9, 10]
     return source
+
+
+def assert_length_penalised_log_probs(model, source, tokens, scores, alpha):
+    """Each `scores[i]` is log P(output | source) / ((5 + |output|) / 6)^alpha (paper section 7; Wu et al.,
+    2016), the log-probability recomputed by a full forward pass; every output ends with the end token."""
+    tokens, scores = keras.ops.convert_to_numpy(tokens), keras.ops.convert_to_numpy(scores)
+    for i, row in enumerate(tokens):
+        output = row[row != 0]
+        assert output[-1] == END_ID
+        target_in = np.concatenate([[START_ID], output[:-1]])[None].astype("int32")
+        log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(model((source[i : i + 1], target_in))[0]))
+        log_prob = log_probs[np.arange(len(output)), output].sum()
+        assert scores[i] == pytest.approx(log_prob / ((5 + len(output)) / 6) ** alpha, rel=1e-4)
+
+
+def a_sentence_and_a_batch_holding_it():
+    """A copy-task sentence `[1, 6]`, and a batch `[4, 9]` holding it in row 1, among a longer sentence and
+    two shorter ones."""
+    rng = np.random.default_rng(7)
+    sentence = np.array([[5, 9, 12, 4, 7, END_ID]], "int32")
+    batch = np.zeros((4, 9), "int32")
+    batch[0] = np.append(rng.integers(4, 16, 8), END_ID)  # longer
+    batch[1, :6] = sentence[0]
+    batch[2, :2] = [6, END_ID]  # shorter
+    batch[3, :4] = [11, 5, 8, END_ID]
+    return sentence, batch

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from conftest import (copy_sources, multi30k_lines, needs_multi30k, never_ending_model,
+from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised_log_probs, copy_sources,
+                      multi30k_lines, needs_multi30k, never_ending_model,
                       random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from export import search, step
 from export.engine_weights import engine_model
@@ -297,25 +298,12 @@ def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model
 def test_scores_are_length_penalised_log_probabilities(copy_model):
     source = copy_sources(4, 6)
     tokens, scores = _beam(copy_model, 3, alpha=0.6)(source)
-    # Recompute each sentence's log-probability with a full forward pass.
-    for i, row in enumerate(tokens.numpy()):
-        output = row[row != 0]
-        assert output[-1] == END
-        target_in = np.concatenate([[START], output[:-1]])[None].astype("int32")
-        log_probs = tf.nn.log_softmax(copy_model((source[i : i + 1], target_in))[0]).numpy()
-        log_prob = log_probs[np.arange(len(output)), output].sum()
-        assert scores.numpy()[i] == pytest.approx(log_prob / ((5 + len(output)) / 6) ** 0.6, rel=1e-4)
+    assert_length_penalised_log_probs(copy_model, source, tokens, scores, alpha=0.6)
 
 
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
-    rng = np.random.default_rng(7)
-    sentence = np.array([[5, 9, 12, 4, 7, END]], "int32")
-    batch = np.zeros((4, 9), "int32")
-    batch[0] = np.append(rng.integers(4, 16, 8), END)  # longer
-    batch[1, :6] = sentence[0]
-    batch[2, :2] = [6, END]  # shorter
-    batch[3, :4] = [11, 5, 8, END]
+    sentence, batch = a_sentence_and_a_batch_holding_it()
     run = _greedy(copy_model) if decode == "greedy" else _beam(copy_model, 4)
     alone_tokens, alone_score = run(sentence)
     batch_tokens, batch_scores = run(batch)
