@@ -3,6 +3,8 @@
     .venv-bench/bin/python bench/peers_throughput.py --json /tmp/peers.json
     .venv-bench/bin/python bench/peers_throughput.py --presets small --precisions fp32 \\
         --steps 3 --warmup 1 --matmul-sizes 512                                    # smoke run
+    git worktree add /tmp/kt-a0 a0afafa && .venv/bin/python bench/peers_throughput.py --frameworks ours \\
+        --baseline a0afafa=/tmp/kt-a0 --rounds 3 --matmul-sizes                     # against an older commit
 
 Needs a separate virtualenv with the peers (they are not project dependencies):
 
@@ -322,6 +324,12 @@ def main(argv=None) -> int:
     p.add_argument("--matmul-sizes", nargs="*", type=int, default=[1024, 2048, 4096],
                    help="square matmul sizes for the peak (none: skip the peak)")
     p.add_argument("--matmul-repeats", type=int, default=5)
+    p.add_argument("--baseline", action="append", default=[], metavar="NAME=DIR",
+                   help="also train `ours` from another checkout of this project (e.g. a `git worktree` of an "
+                        "older commit), labelled NAME; repeat for several")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every configuration, the contenders alternating within each round; rows report "
+                        "the median over rounds and the first framework's speed-up over each, round by round")
     p.add_argument("--json", help="also write the results here")
     # internal: one configuration
     p.add_argument("--worker", choices=["train", "matmul"], help=argparse.SUPPRESS)
@@ -365,6 +373,11 @@ def main(argv=None) -> int:
     peak = {prec: max([r["gflops"] for r in matmuls if r["precision"] == prec], default=None)
             for prec in ("fp32", "bf16")}
 
+    # (label, framework, checkout): each framework from this checkout, then `ours` from each --baseline one.
+    contenders = [(framework, framework, REPO) for framework in args.frameworks]
+    for baseline in args.baseline:
+        label, _, checkout = baseline.partition("=")
+        contenders.append((label, "ours", Path(checkout).resolve()))
     results = []
     batch = args.tokens_per_batch // args.length
     for preset in args.presets:
@@ -373,25 +386,44 @@ def main(argv=None) -> int:
         steps = args.steps if args.steps is not None else (4 if heavy else 10)
         flops = train_flops(PRESETS[preset], batch, args.length, args.length, args.vocab_size)
         for precision in args.precisions:
-            for framework in args.frameworks:
-                cmd = [sys.executable, __file__, "--worker", "train", "--framework", framework,
-                       "--preset", preset, "--precision", precision, "--warmup", str(warmup),
-                       "--steps", str(steps), *common]
-                out, wall = run_worker(cmd, env, f"{framework} {preset} {precision}")
-                if out is None:
+            rounds = {label: [] for label, _, _ in contenders}  # per contender: one worker's output per round
+            for round_index in range(args.rounds):  # the contenders alternate, so a noisy minute slows them alike
+                for label, framework, checkout in contenders:
+                    cmd = [sys.executable, str(checkout / "bench" / "peers_throughput.py"), "--worker", "train",
+                           "--framework", framework, "--preset", preset, "--precision", precision,
+                           "--warmup", str(warmup), "--steps", str(steps), *common]
+                    # A baseline checkout's own packages come first on the path (not this one's install).
+                    worker_env = env if checkout == REPO else dict(env, PYTHONPATH=str(checkout))
+                    out, wall = run_worker(cmd, worker_env, f"{label} {preset} {precision}", cwd=checkout)
+                    if out is None:
+                        continue
+                    rounds[label].append(dict(out, wall=wall, median=statistics.median(out["times"])))
+                    print(f"{label:9s} {preset:5s} {precision}  round {round_index + 1}/{args.rounds}  "
+                          f"{batch * args.length / rounds[label][-1]['median']:9.1f} target tok/s  "
+                          f"({wall:.0f}s wall)", flush=True)
+            for label, framework, checkout in contenders:
+                if not rounds[label]:
                     continue
-                median = statistics.median(out["times"])
+                median = statistics.median(run["median"] for run in rounds[label])
                 gflops = flops / median / 1e9
-                r = {"framework": framework, "version": out["version"], "preset": preset, "precision": precision,
+                first = contenders[0][0]
+                # This checkout's first framework over each contender, round by round (> 1: the first is faster).
+                ratios = [b["median"] / a["median"] for a, b in zip(rounds[first], rounds[label])]
+                r = {"framework": label, "checkout": str(checkout), "version": rounds[label][0]["version"],
+                     "preset": preset, "precision": precision,
                      "batch": f"{batch}x{args.length}", "target_tokens_per_step": batch * args.length,
-                     "params": out["params"], "median_step_s": round(median, 4),
+                     "params": rounds[label][0]["params"], "median_step_s": round(median, 4),
                      "target_tokens_per_s": round(batch * args.length / median, 1),
                      "train_gflop_per_step": round(flops / 1e9, 2), "gflops": round(gflops, 1),
                      "fraction_of_peak": round(gflops / peak[precision], 3) if peak[precision] else None,
-                     "step_times_s": [round(t, 4) for t in out["times"]], "wall_s": round(wall, 1)}
+                     "round_median_steps_s": [round(run["median"], 4) for run in rounds[label]],
+                     f"{first}_speedup_per_round": [round(x, 3) for x in ratios],
+                     "step_times_s": [[round(t, 4) for t in run["times"]] for run in rounds[label]],
+                     "wall_s": round(sum(run["wall"] for run in rounds[label]), 1)}
                 results.append(r)
-                print(f"{framework:9s} {preset:5s} {precision}  {r['target_tokens_per_s']:9.1f} target tok/s  "
-                      f"(median step {median:.3f}s, {gflops:.1f} GFLOP/s, {wall:.0f}s wall)", flush=True)
+                print(f"{label:9s} {preset:5s} {precision}  {r['target_tokens_per_s']:9.1f} target tok/s  "
+                      f"(median of {len(rounds[label])} round(s): step {median:.3f}s, {gflops:.1f} GFLOP/s; "
+                      f"{first} / {label} per round: {', '.join(f'{x:.3f}' for x in ratios)})", flush=True)
 
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, {args.threads} threads, "
           f"Python {platform.python_version()}; total {time.time() - t_start:.0f}s\n")

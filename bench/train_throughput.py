@@ -31,13 +31,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_worker(cmd, env, label):
-    """Runs one configuration in its own process; `(its RESULT line as a dict or None, seconds)`.
+def run_worker(cmd, env, label, cwd=REPO):
+    """Runs one configuration in its own process (in `cwd`); `(its RESULT line as a dict or None, seconds)`.
 
     On failure the worker's stderr is printed and the result is None.
     """
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         print(f"{label}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
