@@ -29,6 +29,8 @@ setup(
             "tensorboard>=2.21,<2.22",
             "tensorflow-datasets>=4.9",
             "sacrebleu>=2.4",
+            # kt-evaluate's Multi30k-protocol BLEU: Moses punctuation normalisation and tokenisation in Python.
+            "sacremoses>=0.1",
             # TF Serving's protos: kt-export writes warm-up requests (PredictionLog records); the gRPC client.
             # Its own dependencies (grpcio, protobuf, tensorflow) are TensorFlow's already.
             "tensorflow-serving-api>=2.21,<2.22",

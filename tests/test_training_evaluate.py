@@ -54,6 +54,42 @@ def test_bleu_equals_sacrebleu_cli(tmp_path, capsys):
     assert f"chrF2|{cli_chrf['signature']} = {cli_chrf['score']:.2f}" in printed
 
 
+def test_the_multi30k_protocol_tokenises_the_references_as_the_official_files():
+    """The official tokenised test2016 German reference (lowercase.perl | normalize-punctuation.perl -l de |
+    tokenizer.perl -l de) has 12,103 tokens."""
+    from training.evaluate import moses_tokenised
+
+    references = moses_tokenised(_lines("test_2016_flickr.de", 1000), "de")
+    assert len(references) == 1000
+    assert sum(len(line.split()) for line in references) == 12103
+    assert all(line == line.lower() for line in references)
+
+
+def test_evaluate_prints_the_multi30k_protocol_bleu(tmp_path, capsys):
+    """Labelled, beside the cased BLEU; it ignores case, which the cased BLEU does not, and it is sacreBLEU
+    with no tokeniser on the Moses-tokenised lines."""
+    from sacrebleu.metrics import BLEU
+
+    from training.evaluate import main, moses_tokenised
+
+    refs = _lines("test_2016_flickr.de", 60)
+    ref = _write(tmp_path / "ref.de", refs)
+    hyps = [h.upper() if i % 2 else h for i, h in enumerate(_perturb(refs))]
+    hyp = _write(tmp_path / "hyp.de", hyps)
+    scores_path = tmp_path / "scores.json"
+    argv = ["--hypotheses", str(hyp), "--references", str(ref), "--output", str(scores_path), "--target-lang", "de"]
+    assert main(argv) == 0
+    printed, scores = capsys.readouterr().out, json.loads(scores_path.read_text())
+    expected = BLEU(tokenize="none").corpus_score(moses_tokenised(hyps, "de"), [moses_tokenised(refs, "de")]).score
+    assert scores["multi30k_bleu"] == pytest.approx(expected)
+    assert scores["multi30k_bleu"] > scores["bleu"] + 10  # the upper-cased half counts only here
+    assert f"Multi30k protocol (lowercased, Moses punctuation-normalised and tokenised; sacrebleu -tok none), de: " \
+           f"BLEU|" in printed
+    # Without a language (no model, no --target-lang) there is no protocol BLEU, and no error.
+    assert main(["--hypotheses", str(hyp), "--references", str(ref)]) == 0
+    assert "Multi30k protocol" not in capsys.readouterr().out
+
+
 def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypatch):
     """Windows line ends are line ends: no '\\r' is fed to sacreBLEU (sacreBLEU's own tokenizer happens to
     hide it today, so this checks what evaluate passes on)."""

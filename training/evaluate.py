@@ -7,8 +7,16 @@ Translates with the functions `kt-export` saves (`export.translator.Translator`:
 tokenize, beam search, detokenize in one `tf.function`; beam 4 by default,
 `--beam-size 1` for greedy decoding), so the scores printed are those of the
 exported model. Prints sacreBLEU's corpus BLEU with its signature and chrF,
-writes the hypotheses (one per line, input order) and a JSON of the scores.
-A progress bar goes to stderr when it is a terminal.
+and the BLEU of the Multi30k protocol (`multi30k_protocol_bleu`), writes the
+hypotheses (one per line, input order) and a JSON of the scores. A progress
+bar goes to stderr when it is a terminal.
+
+The Multi30k protocol is how the Multi30k literature scores (e.g. Wu et al.,
+2021): lowercased, punctuation-normalised, Moses-tokenised text, as in the
+official tokenised Multi30k files (`lowercase.perl | normalize-punctuation.perl
+-l LANG | tokenizer.perl -l LANG`), scored with `sacrebleu -tok none`. The same
+pipeline in Python (sacremoses) is applied to the detokenised output and to the
+raw references.
 
 `--hypotheses FILE --references FILE` scores an existing file without decoding.
 """
@@ -30,6 +38,7 @@ quiet_import_for_commands(__name__)
 import tensorflow as tf  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 from sacrebleu.metrics import BLEU, CHRF  # noqa: E402
+from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from export.translate import translate_lines  # noqa: E402
@@ -39,18 +48,41 @@ from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
 
 
-def score(hypotheses: list[str], references: list[str]) -> dict:
-    """sacreBLEU corpus BLEU and chrF (default settings, one reference)."""
+MULTI30K_PROTOCOL = "Multi30k protocol (lowercased, Moses punctuation-normalised and tokenised; sacrebleu -tok none)"
+
+
+def moses_tokenised(lines: list[str], lang: str) -> list[str]:
+    """`lines` as the official tokenised Multi30k files have them: lowercased, punctuation-normalised and
+    Moses-tokenised for `lang` (`lowercase.perl | normalize-punctuation.perl -l LANG | tokenizer.perl -l LANG`)."""
+    normalizer, tokenizer = MosesPunctNormalizer(lang), MosesTokenizer(lang)
+    return [tokenizer.tokenize(normalizer.normalize(line.lower()), return_str=True, escape=True) for line in lines]
+
+
+def multi30k_protocol_bleu(hypotheses: list[str], references: list[str], lang: str):
+    """Corpus BLEU of the Multi30k protocol (`MULTI30K_PROTOCOL`): `(sacrebleu BLEUScore, its signature)`."""
+    bleu = BLEU(tokenize="none")
+    tokenised = bleu.corpus_score(moses_tokenised(hypotheses, lang), [moses_tokenised(references, lang)])
+    return tokenised, bleu.get_signature()
+
+
+def score(hypotheses: list[str], references: list[str], lang: str | None = None) -> dict:
+    """sacreBLEU corpus BLEU and chrF (default settings, one reference), and with the target language
+    `lang` the BLEU of the Multi30k protocol (`multi30k_protocol_bleu`)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu, chrf = BLEU(), CHRF()
     b = bleu.corpus_score(hypotheses, [references])
     c = chrf.corpus_score(hypotheses, [references])
-    return {
+    scores = {
         "bleu": b.score, "bleu_signature": str(bleu.get_signature()), "bleu_text": b.format(signature=str(bleu.get_signature())),
         "chrf": c.score, "chrf_signature": str(chrf.get_signature()), "chrf_text": c.format(signature=str(chrf.get_signature())),
         "sentences": len(hypotheses),
     }
+    if lang:
+        m, signature = multi30k_protocol_bleu(hypotheses, references, lang)
+        scores.update({"multi30k_bleu": m.score, "multi30k_bleu_lang": lang,
+                       "multi30k_bleu_text": f"{MULTI30K_PROTOCOL}, {lang}: {m.format(signature=str(signature))}"})
+    return scores
 
 
 def translate_all(translator, sources: list[str], beam_size: int = 4, batch_size: int = 64,
@@ -86,6 +118,9 @@ def build_parser():
     p.add_argument("--source-file", help="plain source text to translate (with --references)")
     p.add_argument("--references", help="reference translations, one per line")
     p.add_argument("--hypotheses", help="score this hypothesis file instead of decoding")
+    p.add_argument("--target-lang", help="the language of the Multi30k-protocol BLEU's Moses normalisation and "
+                                         "tokenisation (default: the model's target language; without a model "
+                                         "and without this, that BLEU is not computed)")
     p.add_argument("--beam-size", type=int, default=4, help="1 = greedy (default 4)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty (default 0.6)")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
@@ -117,6 +152,8 @@ def _source_and_refs(args, cfg):
 def print_scores(scores: dict) -> None:
     print(scores["bleu_text"])
     print(scores["chrf_text"])
+    if "multi30k_bleu_text" in scores:
+        print(scores["multi30k_bleu_text"])
 
 
 def main(argv=None) -> int:
@@ -135,11 +172,9 @@ def evaluate(args) -> int:
         if not args.references and not args.model_dir:
             raise SystemExit("--hypotheses needs --references (or --model-dir and --split)")
         hyps = read_lines(args.hypotheses)
-        if args.references:
-            refs = read_lines(args.references)
-        else:
-            _, refs = _source_and_refs(args, read_config(args.model_dir))
-        scores = score(hyps, refs)
+        cfg = read_config(args.model_dir) if args.model_dir else {}
+        refs = read_lines(args.references) if args.references else _source_and_refs(args, cfg)[1]
+        scores = score(hyps, refs, args.target_lang or cfg.get("target_lang"))
         print_scores(scores)
         if args.output:
             Path(args.output).write_text(json.dumps(scores, indent=2))
@@ -163,7 +198,7 @@ def evaluate(args) -> int:
     name = Path(args.source_file).name if args.source_file else (args.split or default_split)
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    scores = score(hyps, refs)
+    scores = score(hyps, refs, args.target_lang or cfg["target_lang"])
     scores.update({"beam_size": args.beam_size, "alpha": args.alpha, "hypotheses_file": str(out),
                    "decode_seconds": round(elapsed, 1)})
     out.with_suffix(out.suffix + ".scores.json").write_text(json.dumps(scores, indent=2))
