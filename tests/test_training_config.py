@@ -219,4 +219,7 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
     assert "oneDNN" not in quiet.stderr and "I0000" not in quiet.stderr and "Traceback" not in quiet.stderr
     loud = subprocess.run(args + ["--verbose"], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True,
                           timeout=300)
-    assert "oneDNN custom operations" in loud.stderr and "config.json not found" in loud.stderr
+    # oneDNN announces itself only on CPUs where TensorFlow turns it on (AVX-512 ones), the CUDA probe's I0000
+    # lines on every CPU-only machine.
+    assert "config.json not found" in loud.stderr
+    assert "oneDNN custom operations" in loud.stderr or "I0000" in loud.stderr, loud.stderr

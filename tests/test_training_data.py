@@ -2,6 +2,7 @@
 
 import logging
 
+import numpy as np
 import pytest
 
 from conftest import MULTI30K, needs_multi30k
@@ -172,3 +173,112 @@ def test_tfds_translation_dataset_by_name(tmp_path):
     bad = DataSpec(dataset="kt_toy_translate", source_lang="pt", target_lang="de", tfds_data_dir=str(tmp_path))
     with pytest.raises(DataError, match="languages"):
         load_text_pairs(bad, "train")
+
+
+# ------------------------------------------------------------------ damaged corpora
+
+
+def _pair_files(tmp_path, source: bytes, target: bytes):
+    src, tgt = tmp_path / "a.en", tmp_path / "b.de"
+    src.write_bytes(source)
+    tgt.write_bytes(target)
+    return src, tgt
+
+
+def test_a_file_that_is_not_utf8_names_the_file_line_and_byte(tmp_path):
+    src, tgt = _pair_files(tmp_path, "one\nMüller\nthree\n".encode("latin-1"), "eins\nMüller\ndrei\n".encode())
+    with pytest.raises(DataError) as e:
+        read_parallel_files(src, tgt)
+    msg = str(e.value)
+    assert f"{src}, line 2: not UTF-8 (byte 0xfc at byte 2 of the line)" in msg and "iconv" in msg
+    assert "\n" not in msg
+
+
+def test_utf16_and_nul_bytes_are_refused_by_name(tmp_path):
+    src, tgt = _pair_files(tmp_path, "one\ntwo\n".encode("utf-16"), b"eins\nzwei\n")
+    with pytest.raises(DataError, match=f"{src} is UTF-16"):
+        read_parallel_files(src, tgt)
+    src, tgt = _pair_files(tmp_path, b"one\ntwo\n", b"eins\nzw\x00ei\n")
+    with pytest.raises(DataError, match=f"{tgt}, line 2: a NUL byte at byte 3 of the line"):
+        read_parallel_files(src, tgt)
+
+
+def test_a_utf8_byte_order_mark_is_removed_and_reported(tmp_path, caplog):
+    src, tgt = _pair_files(tmp_path, "\ufeffone\ntwo\n".encode(), b"eins\nzwei\n")
+    with caplog.at_level(logging.WARNING, logger="training.text_files"):
+        s, t, stats = read_parallel_files(src, tgt)
+    assert s == ["one", "two"] and t == ["eins", "zwei"] and stats.byte_order_marks_removed == 1
+    assert f"Removed the UTF-8 byte-order mark at the start of {src}" in caplog.text
+
+
+def test_carriage_return_line_ends_are_named_in_the_count_error(tmp_path):
+    src, tgt = _pair_files(tmp_path, b"one\rtwo\rthree\r", b"eins\nzwei\ndrei\n")
+    with pytest.raises(LineCountMismatchError) as e:
+        read_parallel_files(src, tgt)
+    assert f"{src} has 2 carriage return(s) inside lines" in str(e.value) and "1 lines" in str(e.value)
+
+
+def test_unicode_separators_inside_a_line_never_shift_the_pairs(tmp_path):
+    """str.splitlines would end a line at each of these and shift every later pair."""
+    inner = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\t"]
+    source = [f"line {i} {sep} more" for i, sep in enumerate(inner)] + ["last"]
+    target = [f"Zeile {i}" for i in range(len(inner))] + ["letzte"]
+    src, tgt = _pair_files(tmp_path, ("\n".join(source) + "\n").encode(), ("\n".join(target) + "\n").encode())
+    s, t, stats = read_parallel_files(src, tgt)
+    assert list(zip(s, t)) == list(zip(source, target)) and stats.kept == len(inner) + 1
+
+
+def _correlated_corpus(n, seed=0):
+    """`n` sentence pairs whose lengths vary together, as translations' do."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 30, size=n)
+    source = [" ".join(["word"] * k) for k in lengths]
+    target = [" ".join(["Wort"] * max(1, int(k * 1.2 + rng.integers(-2, 3)))) for k in lengths]
+    return source, target
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_pairs_shifted_by_a_lost_line_are_refused_where_the_shift_starts(tmp_path, side):
+    source, target = _correlated_corpus(3000)
+    lost = 1733  # 0-based: line 1734 of one file is lost, and a line added at the end keeps the counts equal
+    if side == "source":
+        source = source[:lost] + source[lost + 1:] + ["word"]
+    else:
+        target = target[:lost] + target[lost + 1:] + ["Wort"]
+    src, tgt = _pair_files(tmp_path, ("\n".join(source) + "\n").encode(), ("\n".join(target) + "\n").encode())
+    with pytest.raises(DataError) as e:
+        read_parallel_files(src, tgt)
+    msg = str(e.value)
+    assert f"{src} / {tgt}: the pairs look shifted by one line from about line" in msg
+    first = int(msg.split("from about line ")[1].split()[0])
+    assert abs(first - (lost + 1)) <= 3, msg
+    assert "--no-alignment-check" in msg
+    s, _, _ = read_parallel_files(src, tgt, check_shift=False)  # the escape hatch the message names
+    assert len(s) == 3000
+
+
+def test_aligned_pairs_pass_the_shift_check(tmp_path):
+    source, target = _correlated_corpus(3000)
+    src, tgt = _pair_files(tmp_path, ("\n".join(source) + "\n").encode(), ("\n".join(target) + "\n").encode())
+    assert read_parallel_files(src, tgt)[2].kept == 3000
+
+
+@needs_multi30k
+def test_no_multi30k_pair_looks_shifted():
+    """The shift check on the real corpus: every split and language pair passes it."""
+    from itertools import combinations
+
+    for split in ("train", "val", "test_2016_flickr"):
+        for a, b in combinations(("en", "de", "fr", "cs"), 2):
+            read_parallel_files(MULTI30K / f"{split}.{a}", MULTI30K / f"{split}.{b}")
+
+
+def test_train_cli_names_a_damaged_file_in_one_line(tmp_path, capsys):
+    from training.train import main
+
+    src, tgt = _pair_files(tmp_path, "one\nMüller\n".encode("cp1252"), b"eins\nzwei\n")
+    args = ["--preset", "tiny", "--model-dir", str(tmp_path / "run"), "--epochs", "1"]
+    assert main(args + ["--train-files", str(src), str(tgt)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kt-train: error: {src}, line 2: not UTF-8") and err.count("\n") == 1
+    assert "Traceback" not in err

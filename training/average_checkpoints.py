@@ -1,7 +1,10 @@
 """Average the weights of the last N epoch checkpoints into one model (the paper
-averaged the last 5 checkpoints for its base models).
+averaged the last 5 checkpoints for its base models), or of the N best by a
+validation score that kt-train recorded in history.csv.
 
     python -m training.average_checkpoints --model-dir runs/en-de --last 5
+    python -m training.average_checkpoints --model-dir runs/en-de --best 5              # lowest val_loss
+    python -m training.average_checkpoints --model-dir runs/en-de --best 5 --by val_bleu  # kt-train --val-bleu
 
 Reads MODEL_DIR/checkpoints/epoch-NNN.weights.h5 (written by training.train),
 writes MODEL_DIR/averaged.keras (evaluate it with
@@ -11,6 +14,7 @@ writes MODEL_DIR/averaged.keras (evaluate it with
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import re
 import sys
@@ -38,6 +42,39 @@ def list_checkpoints(model_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+# For each score, whether a higher value is better.
+SCORES = {"val_loss": False, "val_bleu": True}
+HISTORY_FILENAME = "history.csv"
+
+
+def epoch_scores(model_dir, by: str = "val_loss") -> dict[int, float]:
+    """{epoch (1-based, as the checkpoint names count): score} from MODEL_DIR/history.csv.
+
+    A resumed run appends to the file; where an epoch has several rows, the last
+    one counts. Raises `ValueError` when the file or the column is missing.
+    """
+    path = Path(model_dir) / HISTORY_FILENAME
+    if not path.is_file():
+        raise ValueError(f"{path} not found: kt-train writes it; --best needs it")
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or by not in rows[0] or not any(row.get(by) for row in rows):
+        hint = " (train with kt-train --val-bleu to record it)" if by == "val_bleu" else " (train with validation data)"
+        raise ValueError(f"{path} has no {by} column{hint}")
+    return {int(row["epoch"]) + 1: float(row[by]) for row in rows if row.get(by)}
+
+
+def best_checkpoints(model_dir, n: int, by: str = "val_loss") -> list[tuple[Path, float]]:
+    """The `n` epoch checkpoints with the best `by` score (`SCORES`), best first, with their scores."""
+    if by not in SCORES:
+        raise ValueError(f"unknown score {by!r}; one of {sorted(SCORES)}")
+    scores = epoch_scores(model_dir, by)
+    scored = [(path, scores[epoch]) for path in list_checkpoints(model_dir)
+              if (epoch := int(_EPOCH.search(path.name).group(1))) in scores]
+    scored.sort(key=lambda item: -item[1] if SCORES[by] else item[1])
+    return scored[:n]
+
+
 def average_weights(model, checkpoint_paths) -> None:
     """Loads each checkpoint into `model` and leaves the element-wise mean of all
     model weights (float32 accumulation) in it."""
@@ -56,7 +93,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kt-average-checkpoints", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--last", type=int, default=5, help="average the last N epoch checkpoints (default 5)")
+    choice = p.add_mutually_exclusive_group()
+    choice.add_argument("--last", type=int, default=5, help="average the last N epoch checkpoints (default 5)")
+    choice.add_argument("--best", type=int, metavar="N",
+                        help="average the N epoch checkpoints with the best validation score instead (see --by)")
+    p.add_argument("--by", choices=sorted(SCORES), default="val_loss",
+                   help="the score --best ranks by, from history.csv: val_loss (lowest; default) or val_bleu "
+                   "(highest; recorded by kt-train --val-bleu)")
     p.add_argument("--output", help="output .keras file (default MODEL_DIR/averaged.keras)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
@@ -71,8 +114,27 @@ def main(argv=None) -> int:
         print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",
               file=sys.stderr)
         return 2
-    chosen = checkpoints[-args.last:]
-    if len(chosen) < args.last:
+    wanted = args.best if args.best is not None else args.last
+    if wanted < 1:
+        print(f"kt-average-checkpoints: error: {'--best' if args.best is not None else '--last'} must be at least 1",
+              file=sys.stderr)
+        return 2
+    if args.best is not None:
+        try:
+            ranked = best_checkpoints(args.model_dir, args.best, args.by)
+        except ValueError as e:
+            print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
+            return 2
+        chosen = [path for path, _ in ranked]
+        if not chosen:
+            print(f"kt-average-checkpoints: error: no epoch checkpoint has a {args.by} in history.csv",
+                  file=sys.stderr)
+            return 2
+        print(f"The {len(chosen)} best by {args.by}: "
+              + ", ".join(f"{path.name} ({score:.4g})" for path, score in ranked))
+    else:
+        chosen = checkpoints[-args.last:]
+    if len(chosen) < wanted:
         print(f"Only {len(chosen)} checkpoint(s) available; averaging those.")
     model = keras.models.load_model(Path(args.model_dir) / cfg.get("model_file", MODEL_FILENAME), compile=False)
     average_weights(model, chosen)

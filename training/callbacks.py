@@ -1,4 +1,5 @@
-"""The Keras callbacks kt-train adds to `model.fit`: resumable backups, a time budget, and the ETA."""
+"""The Keras callbacks kt-train adds to `model.fit`: resumable backups, a time budget, the ETA, and the
+validation BLEU."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import shutil
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
+from sacrebleu.metrics import BLEU
 
+import keras_transformer as kt
+from export.tokenizer import decode_output, encode_source
+from keras_transformer.text import END_ID, START_ID
 from training.errors import BackupError
 from training.keras_internals import BackupAndRestoreState
 
@@ -167,6 +173,49 @@ class EpochETA(keras.callbacks.Callback):
         finish = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=left)
         print(f"[kt-train] epoch {epoch + 1}/{self.epochs} done: {_minutes(elapsed)} so far, "
               f"about {_minutes(left)} left (ends around {finish:%H:%M} UTC)", flush=True)
+
+
+class ValidationBLEU(keras.callbacks.Callback):
+    """After every epoch, greedy-decodes the validation sources and adds their sacreBLEU corpus BLEU
+    to the epoch's logs as `val_bleu`, so history.csv and TensorBoard record it beside `val_loss`
+    (`kt-average-checkpoints --best N --by val_bleu` reads it there).
+
+    Args:
+        sources, references: the validation pairs, as strings.
+        tokenizer: `export.tokenizer.make_tokenizer`'s tokenizer.
+        max_length: most source tokens (end id included), as in training.
+        batch_size: sentences decoded at once (sorted by length, so batches pad little).
+    """
+
+    def __init__(self, sources, references, tokenizer, max_length: int, batch_size: int = 64):
+        super().__init__()
+        self.sources, self.references = list(sources), list(references)
+        self.tokenizer, self.max_length, self.batch_size = tokenizer, max_length, batch_size
+        self._decode = None
+
+    def translate(self) -> list[str]:
+        """The model's greedy translations of the sources, in their order."""
+        if self._decode is None:
+            model = self.model
+            self._decode = tf.function(lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID)[0],
+                                       reduce_retracing=True)
+        order = np.argsort([len(s) for s in self.sources], kind="stable")
+        hypotheses = [""] * len(self.sources)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            ids = encode_source(self.tokenizer, tf.constant([self.sources[i] for i in rows]), self.max_length)
+            texts = decode_output(self.tokenizer, self._decode(ids.to_tensor()))
+            for i, text in zip(rows, texts.numpy().tolist()):
+                hypotheses[i] = text.decode("utf-8", errors="replace")
+        return hypotheses
+
+    def on_epoch_end(self, epoch, logs=None):
+        t0 = time.time()
+        bleu = BLEU().corpus_score(self.translate(), [self.references]).score
+        if logs is not None:
+            logs["val_bleu"] = bleu
+        print(f"[kt-train] epoch {epoch + 1}: validation BLEU {bleu:.2f} (greedy, {len(self.sources)} sentences, "
+              f"{time.time() - t0:.0f} s)", flush=True)
 
 
 def _minutes(seconds: float) -> str:

@@ -28,10 +28,12 @@ DEFAULTS = {
     "tfds_data_dir": None,
     "train_files": None,
     "valid_files": None,
+    "check_alignment": True,
     "source_lang": "en",
     "target_lang": "de",
     "model_dir": "runs/model",
     "tokenizer": None,
+    "init_from": None,
     "vocab_size": 8000,
     "tokens_per_batch": 4096,
     "max_length": 128,
@@ -41,6 +43,7 @@ DEFAULTS = {
     "max_minutes": None,
     "steps_per_epoch": None,
     "validation": True,
+    "val_bleu": False,
     "max_train_examples": None,
     "max_eval_examples": None,
     "mixed_precision": "auto",
@@ -84,9 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--valid-files", nargs=2, metavar=("SOURCE", "TARGET"), help="validation text files for --dataset files")
     g.add_argument("--source-lang")
     g.add_argument("--target-lang")
+    g.add_argument("--no-alignment-check", dest="check_alignment", action="store_false",
+                   help="train on --train-files/--valid-files even where their pairs look shifted by a line")
     g.add_argument("--max-train-examples", type=int, help="use only the first N training pairs (quick runs)")
     g.add_argument("--max-eval-examples", type=int, help="use only the first N validation pairs")
     g.add_argument("--no-validation", dest="validation", action="store_false", help="skip the validation loss")
+    g.add_argument("--val-bleu", action="store_true",
+                   help="after every epoch, also greedy-decode the validation set and record its BLEU (val_bleu in "
+                   "history.csv), e.g. for kt-average-checkpoints --best N --by val_bleu")
     g = p.add_argument_group("tokenizer and batches")
     g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
     g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shuffle-buffer", type=int)
     g = p.add_argument_group("training")
     g.add_argument("--model-dir", help="output directory (default runs/model)")
+    g.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="fine-tune: start from this kt-train model directory (or a .keras file in one), with its "
+                   "vocabulary, architecture and weights, and a fresh optimizer and learning-rate schedule")
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
     g.add_argument("--max-minutes", type=float,
@@ -164,7 +175,7 @@ def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extr
         "model_config": {k: v for k, v in model.get_config().items()
                          if k not in ("name", "trainable", "dtype")},
         "dtype_policy": policy,
-        "training": {k: v for k, v in cfg.items() if k != "model"},
+        "training": {k: v for k, v in cfg.items() if k not in ("model", "init_from_model")},
     }
     if extra:
         out.update(extra)

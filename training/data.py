@@ -36,6 +36,7 @@ class DataSpec:
     data_dir: str | None = None  # raw Multi30k directory (manual_dir)
     tfds_data_dir: str | None = None  # where TFDS keeps prepared datasets
     files: dict | None = None  # {"train": (src, tgt), "validation": (src, tgt), ...} for dataset="files"
+    check_alignment: bool = True  # files: refuse pairs that look shifted (training.text_files.check_alignment)
 
 
 def tfds_data_dir(spec: DataSpec) -> str | None:
@@ -51,7 +52,7 @@ def load_text_pairs(spec: DataSpec, split: str, *, max_examples: int | None = No
         split = canonical_split(split)
         if not spec.files or split not in spec.files:
             raise DataError(f"No files given for split {split!r} (have: {sorted(spec.files or {})}).")
-        src, tgt, _ = read_parallel_files(*spec.files[split])
+        src, tgt, _ = read_parallel_files(*spec.files[split], check_shift=spec.check_alignment)
         if max_examples:
             src, tgt = src[:max_examples], tgt[:max_examples]
         return tf.data.Dataset.from_tensor_slices((tf.constant(src), tf.constant(tgt)))

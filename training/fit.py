@@ -25,11 +25,12 @@ import keras_transformer as kt
 from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import check_special_ids, read_tokenizer_proto, train_sentencepiece, vocab_size_of
 from export.tokenizer import make_tokenizer
-from training.callbacks import EpochETA, ResumableBackup, TimeBudget
+from training.callbacks import EpochETA, ResumableBackup, TimeBudget, ValidationBLEU
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
+from training.fine_tune import init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import build_fit_state_now, rank1_step_logs
 from training.pipeline import make_batches
 from training.precision import choose_policy
@@ -47,7 +48,8 @@ def data_spec(cfg) -> DataSpec:
         if cfg.get("valid_files"):
             files["validation"] = tuple(cfg["valid_files"])
     return DataSpec(dataset=cfg["dataset"], source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
-                    data_dir=cfg["data_dir"], tfds_data_dir=cfg["tfds_data_dir"], files=files)
+                    data_dir=cfg["data_dir"], tfds_data_dir=cfg["tfds_data_dir"], files=files,
+                    check_alignment=cfg["check_alignment"])
 
 
 def _wait_for(path: Path, timeout: float = 600.0) -> None:
@@ -87,6 +89,11 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> by
 
 
 def build_model(cfg, vocab_size: int):
+    """A new Transformer: `cfg["preset"]` with `cfg["model"]` overrides, or with `--init-from` that model's
+    architecture (`cfg["model"]` may still change what has no weights, such as dropout)."""
+    init = cfg.get("init_from_model")
+    if init is not None:
+        return kt.Transformer.from_config({**init.model_config, **cfg["model"], "vocab_size": vocab_size})
     return kt.Transformer.from_preset(cfg["preset"], vocab_size=vocab_size, **cfg["model"])
 
 
@@ -143,6 +150,13 @@ def train(cfg: dict, strategy=None) -> dict:
     out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
     keras.utils.set_random_seed(cfg["seed"])
+    if cfg.get("init_from"):
+        # Fine-tuning reuses the vocabulary and architecture of the model it starts from.
+        if cfg.get("tokenizer"):
+            raise ConfigError("--init-from reuses that model's vocabulary: drop --tokenizer")
+        init = resolve_init_from(cfg["init_from"])
+        cfg = {**cfg, "tokenizer": str(init.tokenizer_file), "init_from_model": init,
+               "preset": init.preset or cfg["preset"]}
 
     spec = data_spec(cfg)
     train_pairs = load_text_pairs(spec, "train", max_examples=cfg["max_train_examples"])
@@ -155,24 +169,34 @@ def train(cfg: dict, strategy=None) -> dict:
     steps = cfg["steps_per_epoch"]
     train_ds = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
                             seed=cfg["seed"], repeat=bool(steps), **batch_args)
-    val_ds = None
+    val_ds = val_bleu = None
     if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
         val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
         val_ds = make_batches(val_pairs, tokenizer, shuffle=False, **batch_args)
+        if cfg["val_bleu"]:
+            texts = [(s.decode("utf-8"), t.decode("utf-8")) for s, t in val_pairs.as_numpy_iterator()]
+            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer, cfg["max_length"])
+    elif cfg["val_bleu"]:
+        raise ConfigError("--val-bleu needs validation data (--valid-files with --dataset files; "
+                          "not --no-validation)")
 
     previous_policy = keras.mixed_precision.global_policy()
     policy = set_precision(cfg)
     try:
         return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-                    train_ds, val_ds, steps, replicas)
+                    train_ds, val_ds, steps, replicas, val_bleu)
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
 def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-         train_ds, val_ds, steps, replicas) -> dict:
+         train_ds, val_ds, steps, replicas, val_bleu=None) -> dict:
+    init = cfg.get("init_from_model")
+    weights = init_weights(init) if init is not None else None  # read outside the strategy's scope
     with strategy.scope():
         model = build_and_compile(cfg, vocab_size)
+        if weights is not None:
+            set_init_weights(model, weights, init)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     if multi_worker:
         rank1_step_logs(model)
@@ -184,7 +208,17 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
           flush=True)
 
     backup = ResumableBackup(out_dir / "backup", cfg["backup_every"] or "epoch", num_workers=num_workers)
-    callbacks = [
+    initial_val_loss = None
+    if init is not None and val_ds is not None and not (out_dir / "backup").exists():
+        # Where fine-tuning starts on the new data: the first epoch's val_loss is measured against it.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Your input ran out of data")  # as in fit, below
+            initial_val_loss = float(model.evaluate(val_ds, verbose=0, return_dict=True)["loss"])
+        print(f"[kt-train] --init-from {init.model_file}: validation loss {initial_val_loss:.4f} before "
+              "fine-tuning (fresh optimizer and learning-rate schedule)", flush=True)
+    # ValidationBLEU first: the callbacks after it (history.csv, TensorBoard) see its val_bleu.
+    callbacks = [val_bleu] if val_bleu is not None else []
+    callbacks += [
         backup,
         keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
                                         save_weights_only=True, save_freq="epoch"),
@@ -218,6 +252,8 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         "replicas": replicas,
         "stopped_by_time_budget": bool(budget and budget.stopped_after),
     }
+    if initial_val_loss is not None:
+        summary["initial_val_loss"] = initial_val_loss
     losses = history.history.get("loss") or [0.0]
     if not all(l == l and abs(l) != float("inf") for l in losses):  # TerminateOnNaN stopped the run
         summary["nan_loss"] = True

@@ -1,15 +1,44 @@
-"""Plain parallel text: two line-aligned files, read with clear errors and empty pairs skipped."""
+"""Plain parallel text: two line-aligned files, read with clear errors for the damage real corpora carry.
+
+`read_parallel_files` is the one reader of training and validation text (the
+Multi30k builder uses it too). What it does with each kind of damage:
+
+- a missing file, or two files whose line counts differ: an error naming both
+  files and both counts (with a hint when one file uses carriage returns alone
+  as line ends);
+- bytes that are not UTF-8 (a Latin-1 or UTF-16 file, a cut multi-byte
+  character), or a NUL byte: an error naming the file, the line and the byte;
+- a UTF-8 byte-order mark: removed (repaired), and counted;
+- empty or blank lines on either side: the pair is skipped, and counted with
+  the first line numbers;
+- pairs shifted against each other (a line lost in one file and one added
+  elsewhere, so the counts still agree): an error naming where the shift
+  starts, found from sentence lengths (`check_alignment`);
+- Unicode line and paragraph separators, vertical tabs, form feeds and tabs
+  inside a line: kept in the line. Lines end at `\\n` (or `\\r\\n`) only, so
+  they can never shift one file against the other.
+"""
 
 from __future__ import annotations
 
+import codecs
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keras_transformer.text import read_lines
+import numpy as np
+
+from keras_transformer.text import split_lines
 from training.errors import DataError, DataNotFoundError, LineCountMismatchError
 
 log = logging.getLogger("training.text_files")
+
+# Sentence lengths of translations correlate; a shift by one line destroys that. A window is flagged when
+# its lengths correlate clearly better shifted by one line than as given (see `check_alignment`).
+ALIGNMENT_WINDOW = 1000
+ALIGNMENT_MIN_LINES = 200
+ALIGNMENT_MARGIN = 0.25
+ALIGNMENT_MIN_CORRELATION = 0.4
 
 
 @dataclass
@@ -20,26 +49,133 @@ class ReadStats:
     kept: int = 0
     empty_skipped: int = 0
     empty_line_numbers: list = field(default_factory=list)
+    byte_order_marks_removed: int = 0
 
 
-def read_parallel_files(source_path, target_path) -> tuple[list[str], list[str], ReadStats]:
-    """Reads two line-aligned files. Empty lines (either side) are skipped and counted.
+def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
+    """1-based line and byte column of `offset` in `data`."""
+    return data.count(b"\n", 0, offset) + 1, offset - (data.rfind(b"\n", 0, offset) + 1) + 1
 
-    Raises `DataNotFoundError` if a file is missing and `LineCountMismatchError`
-    (naming both files and both counts) if the line counts differ. Lines are kept
-    verbatim (inner tabs included), only the line terminator is removed.
+
+def read_text_lines(path) -> tuple[list[str], bool]:
+    """The lines of a UTF-8 corpus file, and whether a byte-order mark was removed.
+
+    Raises `DataError` naming the file, the line and the byte when the file is
+    UTF-16, is not UTF-8, or holds a NUL byte.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise DataError(f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark); convert it to UTF-8, "
+                        f"e.g. iconv -f UTF-16 -t UTF-8")
+    bom = data.startswith(codecs.BOM_UTF8)
+    if bom:
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, column = _line_and_column(data, e.start)
+        raise DataError(f"{path}, line {line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte {column} of the "
+                        f"line); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        line, column = _line_and_column(data, nul)
+        raise DataError(f"{path}, line {line}: a NUL byte at byte {column} of the line; is this a text file "
+                        f"(UTF-16 without a byte-order mark is read so)?")
+    return split_lines(text), bom
+
+
+def _lone_carriage_returns(lines) -> int:
+    return sum(line.count("\r") for line in lines)
+
+
+def _correlation(a, b) -> float:
+    if a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def check_alignment(source: list[str], target: list[str], source_path, target_path) -> None:
+    """Raises `DataError` if the pairs look shifted against each other by one line.
+
+    Translations have correlated lengths. In windows of `ALIGNMENT_WINDOW`
+    lines, the log-lengths of source line i and target line i are correlated,
+    then those of source line i and target line i +/- 1. A window whose lengths
+    correlate better shifted (by `ALIGNMENT_MARGIN`, and at least
+    `ALIGNMENT_MIN_CORRELATION`) than as given is shifted: the error names the
+    first such window. Corpora under `ALIGNMENT_MIN_LINES` lines are not
+    checked; nor can a shift be seen in a corpus whose neighbouring lines have
+    similar lengths anyway (sorted by length, say).
+    """
+    n = len(source)
+    if n < ALIGNMENT_MIN_LINES:
+        return
+    src = np.log1p([len(s) for s in source])
+    tgt = np.log1p([len(t) for t in target])
+    size = min(ALIGNMENT_WINDOW, n)
+    for start in range(0, n - size // 2, size):
+        end = min(start + size, n)
+        s, t = src[start:end], tgt[start:end]
+        given = _correlation(s, t)
+        later = _correlation(s[:-1], t[1:])  # source line i against target line i + 1
+        earlier = _correlation(s[1:], t[:-1])  # source line i + 1 against target line i
+        shifted = max(later, earlier)
+        if shifted >= ALIGNMENT_MIN_CORRELATION and shifted > given + ALIGNMENT_MARGIN:
+            offset = 1 if later >= earlier else -1
+            first = _shift_start(src, tgt, max(0, start - size), end, offset)
+            which = "source line i matches target line i + 1" if offset == 1 else "source line i + 1 matches target line i"
+            raise DataError(
+                f"{source_path} / {target_path}: the pairs look shifted by one line from about line {first} on "
+                f"(in lines {start + 1}-{end}, {which}: their lengths correlate {shifted:.2f}, against "
+                f"{given:.2f} as given); a line was probably lost in one file there. Fix the files, or pass "
+                f"--no-alignment-check if they are right.")
+
+
+def _shift_start(src, tgt, start, end, offset) -> int:
+    """The 1-based line in [start, end) after which lines fit best shifted by `offset`, before it as given."""
+    s = (src[start:end] - src[start:end].mean()) / (src[start:end].std() or 1.0)
+    t = (tgt[start:end] - tgt[start:end].mean()) / (tgt[start:end].std() or 1.0)
+    given = s * t
+    shifted = np.zeros_like(given)
+    if offset == 1:
+        shifted[:-1] = s[:-1] * t[1:]
+    else:
+        shifted[:-1] = s[1:] * t[:-1]
+    # Break k: lines before k as given, from k on shifted; the best k has the largest total agreement.
+    totals = np.concatenate([[0.0], np.cumsum(given)]) + np.concatenate([np.cumsum(shifted[::-1])[::-1], [0.0]])
+    return start + int(np.argmax(totals)) + 1
+
+
+def read_parallel_files(source_path, target_path, *, check_shift: bool = True
+                        ) -> tuple[list[str], list[str], ReadStats]:
+    """Reads two line-aligned UTF-8 files, with the checks and repairs of this module's docstring.
+
+    Returns `(source_lines, target_lines, stats)`, the lines kept verbatim
+    (inner tabs included) without their terminators. Raises
+    `DataNotFoundError`, `LineCountMismatchError` or `DataError`, each naming
+    the file, and the line where there is one. `check_shift=False` skips
+    `check_alignment`.
     """
     source_path, target_path = Path(source_path), Path(target_path)
     for p in (source_path, target_path):
         if not p.is_file():
             raise DataNotFoundError(f"Parallel text file not found: {p}")
-    src, tgt = read_lines(source_path), read_lines(target_path)
+    (src, src_bom), (tgt, tgt_bom) = read_text_lines(source_path), read_text_lines(target_path)
     if len(src) != len(tgt):
+        hint = "".join(
+            f" {path} has {cr} carriage return(s) inside lines: are its lines ended by carriage returns alone?"
+            for path, cr in ((source_path, _lone_carriage_returns(src)), (target_path, _lone_carriage_returns(tgt)))
+            if cr)
         raise LineCountMismatchError(
             f"Line counts differ: {source_path} has {len(src)} lines but {target_path} has "
-            f"{len(tgt)} lines. The two files must be line-aligned translations."
+            f"{len(tgt)} lines. The two files must be line-aligned translations.{hint}"
         )
-    stats = ReadStats(lines=len(src))
+    if check_shift:
+        check_alignment(src, tgt, source_path, target_path)
+    stats = ReadStats(lines=len(src), byte_order_marks_removed=int(src_bom) + int(tgt_bom))
+    if stats.byte_order_marks_removed:
+        log.warning("Removed the UTF-8 byte-order mark at the start of %s.",
+                    " and of ".join(str(p) for p, bom in ((source_path, src_bom), (target_path, tgt_bom)) if bom))
     out_src, out_tgt = [], []
     for i, (s, t) in enumerate(zip(src, tgt), start=1):
         if not s.strip() or not t.strip():
