@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 texts = sources[:n]
                 translate(texts[:batch_size])  # warm-up
                 t0 = time.perf_counter()
-                hyps, _ = translate_lines(translate, texts, batch_size)
+                hyps = translate_lines(translate, texts, batch_size).texts
                 seconds = time.perf_counter() - t0
                 tokens = sum(len(ids) + 1 for ids in sp.encode(hyps))
                 outputs[(cache, decoding, batch_size)] = hyps

@@ -9,13 +9,17 @@ the project's `serving` extra), imported only when a `GrpcClient` is made.
     rest = RestClient("http://localhost:8501", "translator")
     rest.translate(["A man is riding a bike."])          # ["Ein Mann fährt Fahrrad."]
     rest.translate_with_scores(["A dog runs."])          # (["..."], [-0.53])
+    rest.translate_batch(["A dog runs."])                # TranslatedBatch(translations, scores, truncated)
     rest.metadata()                                      # the signatures, as TF Serving reports them
 
     grpc_client = GrpcClient("localhost:8500", "translator")
     grpc_client.translate(["A man is riding a bike."])
 
 Both send the `text` input of a signature (`serving_default`: beam search,
-`greedy`: greedy decoding) and read its `translation` and `score` outputs.
+`greedy`: greedy decoding) and read its `translation`, `score` and
+`truncated` outputs (`truncated`: the source was longer than the model's
+limit and only its beginning was translated; False from exports older than
+that output).
 Strings that are not valid UTF-8 are sent base64-encoded over REST
 (`{"b64": ...}`, TF Serving's convention for binary strings).
 
@@ -31,8 +35,17 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 TEXT_INPUT = "text"
+
+
+class TranslatedBatch(NamedTuple):
+    """A text signature's outputs for a batch, one entry per input text."""
+
+    translations: list[str]
+    scores: list[float]
+    truncated: list[bool]  # the source was cut to the model's limit before it was translated
 
 
 class ServingError(RuntimeError):
@@ -94,9 +107,14 @@ class RestClient:
             raise ServingError(f"Sent {len(texts)} texts, got {len(predictions)} predictions")
         return predictions
 
-    def translate_with_scores(self, texts, signature=None):
+    def translate_batch(self, texts, signature=None) -> TranslatedBatch:
         predictions = self.predict(texts, signature)
-        return [_rest_text(p["translation"]) for p in predictions], [float(p["score"]) for p in predictions]
+        return TranslatedBatch([_rest_text(p["translation"]) for p in predictions],
+                               [float(p["score"]) for p in predictions],
+                               [bool(p.get("truncated", False)) for p in predictions])
+
+    def translate_with_scores(self, texts, signature=None):
+        return self.translate_batch(texts, signature)[:2]
 
     def translate(self, texts, signature=None) -> list[str]:
         return self.translate_with_scores(texts, signature)[0]
@@ -148,10 +166,10 @@ class GrpcClient:
         request.inputs[TEXT_INPUT].CopyFrom(tensor)
         return self._stub.Predict(request, timeout=self.timeout)
 
-    def translate_with_scores(self, texts, signature=None):
+    def translate_batch(self, texts, signature=None) -> TranslatedBatch:
         texts = list(texts)
         if not texts:
-            return [], []
+            return TranslatedBatch([], [], [])
         from tensorflow import make_ndarray  # float outputs may come as float_val or packed tensor_content
 
         response = self.predict(texts, signature)
@@ -159,7 +177,12 @@ class GrpcClient:
         scores = make_ndarray(response.outputs["score"]).tolist()
         if len(translations) != len(texts):
             raise ServingError(f"Sent {len(texts)} texts, got {len(translations)} translations")
-        return translations, scores
+        truncated = ([bool(t) for t in make_ndarray(response.outputs["truncated"])]
+                     if "truncated" in response.outputs else [False] * len(texts))
+        return TranslatedBatch(translations, scores, truncated)
+
+    def translate_with_scores(self, texts, signature=None):
+        return self.translate_batch(texts, signature)[:2]
 
     def translate(self, texts, signature=None) -> list[str]:
         return self.translate_with_scores(texts, signature)[0]

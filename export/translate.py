@@ -9,7 +9,9 @@
 model's base directory (EXPORT_DIR/NAME: its highest version is used).
 Lines are translated in batches of similar length and written in input order;
 blank lines stay blank. A progress bar goes to stderr for inputs of more than
-one batch (--no-progress to hide it).
+one batch (--no-progress to hide it). A line longer than the model's limit
+(config.json `max_length` pieces, end id included) is translated from its
+beginning only: kt-translate says so on stderr, with the line numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the SavedModel uses)
 from tqdm import tqdm  # noqa: E402
 
-from export.client import RestClient  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+from export.client import RestClient, TranslatedBatch  # noqa: E402
 from keras_transformer.text import split_lines  # noqa: E402
 
 
@@ -45,7 +49,8 @@ def resolve_saved_model(path) -> Path:
 
 
 class SavedModelTranslator:
-    """Calls a signature of an exported SavedModel in process: list of str/bytes -> (translations, scores)."""
+    """Calls a signature of an exported SavedModel in process: list of str/bytes -> `TranslatedBatch`
+    (translations, scores, truncated)."""
 
     def __init__(self, saved_model, signature="serving_default"):
         self.path = resolve_saved_model(saved_model)
@@ -54,27 +59,45 @@ class SavedModelTranslator:
             raise ValueError(f"{self.path} has no signature {signature!r}; it has {sorted(self._loaded.signatures)}")
         self._fn = self._loaded.signatures[signature]
 
-    def __call__(self, texts):
+    def __call__(self, texts) -> TranslatedBatch:
         out = self._fn(text=tf.constant(list(texts), dtype=tf.string))
-        return ([t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()],
-                out["score"].numpy().tolist())
+        truncated = out["truncated"].numpy().tolist() if "truncated" in out else [False] * len(texts)
+        return TranslatedBatch([t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()],
+                               out["score"].numpy().tolist(), [bool(t) for t in truncated])
 
 
-def translate_lines(translate, lines, batch_size=32, progress=None):
-    """Translates `lines` (str or bytes) with `translate(batch) -> (translations, scores)` in batches of
-    similar length. Blank lines give ("", None). Returns (translations, scores) in input order."""
-    out, scores = [""] * len(lines), [None] * len(lines)
+class Translated(NamedTuple):
+    """`translate_lines`' result, in input order."""
+
+    texts: list[str]
+    scores: list[float | None]  # None for a blank line
+    truncated_lines: list[int]  # 1-based numbers of the lines whose source was cut to the model's limit
+
+
+def translate_lines(translate, lines, batch_size=32, progress=None) -> Translated:
+    """Translates `lines` (str or bytes) with `translate(batch) -> (translations, scores[, truncated])` in
+    batches of similar length. Blank lines give ("", None)."""
+    out, scores, truncated_lines = [""] * len(lines), [None] * len(lines), []
     todo = sorted((i for i, line in enumerate(lines) if line.strip()), key=lambda i: len(lines[i]))
     for start in range(0, len(todo), batch_size):
         idx = todo[start:start + batch_size]
-        translations, batch_scores = translate([lines[i] for i in idx])
+        translations, batch_scores, *truncated = translate([lines[i] for i in idx])
         if len(translations) != len(idx):
             raise RuntimeError(f"Asked for {len(idx)} translations, got {len(translations)}")
         for i, text, score in zip(idx, translations, batch_scores):
             out[i], scores[i] = text.replace("\r", " ").replace("\n", " "), score  # one line per line
+        if truncated:
+            truncated_lines += [i + 1 for i, cut in zip(idx, truncated[0]) if cut]
         if progress is not None:
             progress.update(len(idx))
-    return out, scores
+    return Translated(out, scores, sorted(truncated_lines))
+
+
+def truncation_warning(truncated_lines, shown: int = 20) -> str:
+    """The stderr line for sources cut to the model's limit, naming the line numbers (the first `shown`)."""
+    numbers = ", ".join(map(str, truncated_lines[:shown])) + (", ..." if len(truncated_lines) > shown else "")
+    return (f"kt-translate: warning: {len(truncated_lines)} line(s) longer than the model's limit were translated "
+            f"from their beginning only (config.json max_length pieces, end id included): line(s) {numbers}")
 
 
 def build_parser():
@@ -106,7 +129,7 @@ def main(argv=None) -> int:
         lines = split_lines(sys.stdin.buffer.read())
     try:
         if args.server:
-            translate = RestClient(args.server, args.model_name, signature=signature).translate_with_scores
+            translate = RestClient(args.server, args.model_name, signature=signature).translate_batch
         else:
             translate = SavedModelTranslator(args.saved_model, signature)
     except (FileNotFoundError, ValueError) as e:
@@ -116,10 +139,12 @@ def main(argv=None) -> int:
     if not args.no_progress and len(lines) > args.batch_size:
         progress = tqdm(total=sum(1 for line in lines if line.strip()), unit="sent", file=sys.stderr)
     try:
-        translations, scores = translate_lines(translate, lines, args.batch_size, progress)
+        translations, scores, truncated_lines = translate_lines(translate, lines, args.batch_size, progress)
     finally:
         if progress is not None:
             progress.close()
+    if truncated_lines:
+        print(truncation_warning(truncated_lines), file=sys.stderr)
     if args.scores:
         text = "".join(("" if s is None else f"{s:.4f}") + "\t" + t + "\n" for t, s in zip(translations, scores))
     else:

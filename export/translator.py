@@ -11,12 +11,16 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 
 - `serving_default`: `text` string `[batch]` -> `translation` string `[batch]`,
   `score` float32 `[batch]` (beam search; the score is
-  log P(translation | text) / ((5 + len) / 6)^alpha).
+  log P(translation | text) / ((5 + len) / 6)^alpha), `truncated` bool
+  `[batch]` (the source was longer than the model's limit, and only its
+  first `max_length - 1` pieces were translated).
 - `greedy`: same inputs and outputs, greedy decoding (faster).
 - `translate_ids`: `source_ids` int32 `[batch, source_len]` (pieces + end id,
   padded with 0) -> `tokens` int32 `[batch, length]` (end id, then 0),
-  `score` float32 `[batch]` (beam search), for clients that tokenize themselves.
-- `tokenize`: `text` -> `source_ids`, the source ids the text signatures decode from.
+  `score` float32 `[batch]` (beam search), `truncated`, for clients that
+  tokenize themselves.
+- `tokenize`: `text` -> `source_ids`, the source ids the text signatures decode
+  from, and `truncated`.
 
 With `xla_max_batch` > 0 (`kt-export --xla-max-batch N`), the text
 signatures decode a batch of at most N sentences with the same search
@@ -47,7 +51,7 @@ core busy. Serve it with N inter-op threads and 1 intra-op thread
 Inputs are made safe inside the graph: invalid UTF-8 is replaced with U+FFFD
 before tokenization, every source (text or ids) is truncated to the model's
 maximum source length (`max_length - 1` pieces + the end id), and one string
-comes back for every input. Text with nothing to translate (empty,
+comes back for every input, with `truncated` saying whether its source was cut. Text with nothing to translate (empty,
 whitespace-only: the tokenizer gives no piece) gets the empty translation ""
 and score 0.0 in the text signatures; the other rows of its batch are
 unaffected.
@@ -73,7 +77,7 @@ import tensorflow as tf
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
 from keras_transformer.hardware import native_bf16_flags
-from export.tokenizer import decode_output, encode_source, make_tokenizer, source_from_pieces
+from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
 
 # The files of a model directory.
@@ -271,11 +275,20 @@ class Translator(tf.Module):
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
     def _tokenize(self, text):
-        """Strings `[batch]` -> source ids int32 `[batch, len]`: pieces (truncated) + end id, 0-padded."""
+        """Strings `[batch]` -> {"source_ids": int32 `[batch, len]`, pieces (truncated) + end id, 0-padded;
+        "truncated": bool `[batch]`, whether a source had more pieces than that}."""
         text = tf.strings.unicode_transcode(text, input_encoding="UTF-8", output_encoding="UTF-8",
                                             errors="replace", replacement_char=0xFFFD)
-        source = encode_source(self.tokenizer, text, self.max_source_length).to_tensor(PAD_ID)
-        return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None])}
+        pieces = self.tokenizer.tokenize(text)
+        source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
+        return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None]),
+                "truncated": self._truncated(pieces)}
+
+    def _truncated(self, pieces):
+        """Ragged source pieces `[batch, (len)]` -> bool `[batch]`: more pieces than the source limit keeps."""
+        if self.max_source_length is None:
+            return tf.zeros([pieces.nrows()], tf.bool)
+        return pieces.row_lengths() > self.max_source_length - 1
 
     def _beam(self, source_ids, model=None):
         model = self._model() if model is None else model
@@ -310,13 +323,14 @@ class Translator(tf.Module):
         return tf.cond((batch > 0) & (batch <= self.xla_max_batch), compiled, lambda: decode(source))
 
     def _translate_text(self, text, decode, xla_decode=None):
-        source = self._tokenize(text)["source_ids"]
+        tokenized = self._tokenize(text)
+        source = tokenized["source_ids"]
         tokens, scores = self._decode(source, decode, xla_decode)
         # Nothing to translate (the tokenizer gave no piece: the source is only the end id): "" and score 0,
         # row by row, so the other rows and the batch size are as before.
         empty = tf.equal(tf.math.count_nonzero(source, axis=1), 1)
         return {"translation": tf.where(empty, "", decode_output(self.tokenizer, tokens)),
-                "score": tf.where(empty, 0.0, tf.reshape(scores, [-1]))}
+                "score": tf.where(empty, 0.0, tf.reshape(scores, [-1])), "truncated": tokenized["truncated"]}
 
     def _translate_beam(self, text):
         return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
@@ -329,7 +343,8 @@ class Translator(tf.Module):
         pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
         source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
         tokens, scores = self._beam(source)
-        return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1])}
+        return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1]),
+                "truncated": self._truncated(pieces)}
 
     # -- saving -------------------------------------------------------------
 

@@ -96,7 +96,8 @@ def tf1_outputs(run):
     """A conftest.run_tf1 run (base64 strings, floats) in serving_check's form."""
     return {"translation": [base64.b64decode(t).hex() for t in run["translation"]],
             "translation_shape": run["translation_shape"],
-            "score": [struct.pack(">f", s).hex() for s in run["score"]], "score_shape": run["score_shape"]}
+            "score": [struct.pack(">f", s).hex() for s in run["score"]], "score_shape": run["score_shape"],
+            "truncated": run["truncated"], "truncated_shape": run["truncated_shape"]}
 
 
 def translations(run):

@@ -44,6 +44,10 @@ def exported(model_dir, tmp_path_factory):
     return export(model_dir, tmp_path_factory.mktemp("exports"), check_ops=False, parallel_loops=2)
 
 
+# More pieces than the quick model's source limit (MAX_LENGTH), however the vocabulary cuts it.
+LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
+
+
 def _unb64(items):
     return [base64.b64decode(x) for x in items]
 
@@ -284,10 +288,14 @@ def stand_in_server(exported):
     signature_defs = sm.meta_graphs[0].signature_def
     calls = []
 
-    def run(signature, texts):
+    def outputs(signature, texts):
+        """Every output of the signature, as TF Serving returns them."""
         calls.append((signature, list(texts)))
-        out = loaded.signatures[signature](text=tf.constant(texts, dtype=tf.string))
-        return out["translation"].numpy().tolist(), out["score"].numpy().tolist()
+        return {k: v.numpy() for k, v in loaded.signatures[signature](text=tf.constant(texts, dtype=tf.string)).items()}
+
+    def run(signature, texts):
+        out = outputs(signature, texts)
+        return out["translation"].tolist(), out["score"].tolist()
 
     class Rest(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -318,9 +326,10 @@ def stand_in_server(exported):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             instances = [t["text"] if isinstance(t, dict) and "b64" not in t else t for t in body["instances"]]
             texts = [base64.b64decode(t["b64"]) if isinstance(t, dict) else t.encode("utf-8") for t in instances]
-            translations, scores = run(body.get("signature_name", "serving_default"), texts)
-            self._send(200, {"predictions": [{"translation": t.decode("utf-8"), "score": s}
-                                             for t, s in zip(translations, scores)]})
+            out = outputs(body.get("signature_name", "serving_default"), texts)
+            self._send(200, {"predictions": [
+                {k: v[i].decode("utf-8") if isinstance(v[i], bytes) else v[i].item() for k, v in out.items()}
+                for i in range(len(texts))]})
 
     rest = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rest)
     threading.Thread(target=rest.serve_forever, daemon=True).start()
@@ -338,10 +347,10 @@ def stand_in_server(exported):
             def Predict(self, request, context):
                 assert request.model_spec.name == "translator"
                 texts = list(tf.make_ndarray(request.inputs["text"]).tolist())
-                translations, scores = run(request.model_spec.signature_name or "serving_default", texts)
+                out = outputs(request.model_spec.signature_name or "serving_default", texts)
                 response = predict_pb2.PredictResponse()
-                response.outputs["translation"].CopyFrom(tf.make_tensor_proto(translations, dtype=tf.string))
-                response.outputs["score"].CopyFrom(tf.make_tensor_proto(scores, dtype=tf.float32))
+                for name, value in out.items():
+                    response.outputs[name].CopyFrom(tf.make_tensor_proto(value))
                 return response
 
             def GetModelMetadata(self, request, context):
@@ -368,7 +377,7 @@ def stand_in_server(exported):
             server.stop(0)
 
 
-def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path):
+def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path, capsys):
     from export import translate as translate_cli
     from export.client import RestClient, ServingError
 
@@ -388,7 +397,7 @@ def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path):
     assert rest.translate(texts[:1], signature="greedy") == [
         t.decode() for t in stand_in_server["run"]("greedy", [texts[0].encode()])[0]]
     signature = rest.metadata()["metadata"]["signature_def"]["signature_def"]["serving_default"]
-    assert set(signature["inputs"]) == {"text"} and set(signature["outputs"]) == {"translation", "score"}
+    assert set(signature["inputs"]) == {"text"} and set(signature["outputs"]) == {"translation", "score", "truncated"}
     assert rest.status()["model_version_status"][0]["state"] == "AVAILABLE"
     with pytest.raises(ServingError, match="404"):
         RestClient(stand_in_server["rest"], "no-such-model").translate(["x"])
@@ -402,6 +411,13 @@ def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path):
     expected5 = [t.decode() for t in stand_in_server["run"]("serving_default",
                                                             [s.encode() for s in _lines("val.en", 5)])[0]]
     assert out.read_text(encoding="utf-8") == "".join(t + "\n" for t in expected5)
+
+    # A source longer than the model's limit: the client reports it, kt-translate names its line.
+    assert rest.translate_batch([texts[0], LONG_TEXT, ""]).truncated == [False, True, False]
+    source.write_text("\n".join(_lines("val.en", 2) + ["", LONG_TEXT]) + "\n", encoding="utf-8")
+    assert translate_cli.main(["--server", stand_in_server["rest"], "--input", str(source), "--output", str(out),
+                               "--no-progress"]) == 0
+    assert translate_cli.truncation_warning([4]) in capsys.readouterr().err
 
 
 def test_grpc_client(stand_in_server):
@@ -422,9 +438,41 @@ def test_grpc_client(stand_in_server):
         assert translations == expected
         np.testing.assert_allclose(scores, expected_scores, rtol=1e-6)
         assert client.translate([]) == []
-        assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score"}
+        assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score", "truncated"}
+        assert client.translate_batch([texts[0], LONG_TEXT]).truncated == [False, True]
     finally:
         client.close()
+
+
+def test_every_signature_says_whether_the_source_was_truncated(model_dir, exported, tmp_path):
+    """`truncated` is True exactly when the source has more than max_length - 1 pieces (the end id takes the
+    last place), in every signature, through the TF1 loader TF Serving uses."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
+    short = _lines("val.en", 1)[0]
+    texts = [short, LONG_TEXT, "", b"\xff"]
+    result = run_tf1(exported, [("serving_default", texts), ("greedy", texts), ("tokenize", texts)], tmp_path)
+    for run in result["runs"]:
+        assert run["truncated"] == [False, True, False, False] and run["truncated_shape"] == [4]
+    # At the limit exactly: max_length - 1 pieces fit, one more does not (translate_ids, ids in).
+    pieces = sp.encode(LONG_TEXT)
+    loaded = tf.saved_model.load(str(exported))
+    sources = tf.ragged.constant([pieces[:MAX_LENGTH - 1] + [END_ID], pieces[:MAX_LENGTH] + [END_ID],
+                                  pieces[:MAX_LENGTH - 1]]).to_tensor(0)
+    assert loaded.signatures["translate_ids"](source_ids=sources)["truncated"].numpy().tolist() == [False, True, False]
+
+
+def test_kt_translate_warns_naming_the_truncated_lines(exported, tmp_path, capsys):
+    from export import translate as translate_cli
+
+    lines = [LONG_TEXT] + _lines("val.en", 3) + ["", LONG_TEXT]
+    source = write_lines(tmp_path / "in.en", lines)
+    assert translate_cli.main(["--saved-model", str(exported), "--input", str(source), "--output",
+                               str(tmp_path / "out.de"), "--no-progress", "--greedy"]) == 0
+    err = capsys.readouterr().err
+    assert translate_cli.truncation_warning([1, 6]) in err
+    assert "2 line(s) longer than the model's limit" in err and "line(s) 1, 6" in err
 
 
 def test_kt_evaluate_scores_the_served_graph(model_dir, exported, tmp_path):

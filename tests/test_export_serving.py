@@ -116,7 +116,7 @@ def test_rest_metadata_shows_the_signature(served):
     assert meta["model_spec"]["name"] == MODEL_NAME
     signature = meta["metadata"]["signature_def"]["signature_def"]["serving_default"]
     assert set(signature["inputs"]) == {"text"}
-    assert set(signature["outputs"]) == {"translation", "score"}
+    assert set(signature["outputs"]) == {"translation", "score", "truncated"}
     assert signature["inputs"]["text"]["dtype"] == "DT_STRING"
     assert signature["outputs"]["translation"]["dtype"] == "DT_STRING"
     assert signature["outputs"]["score"]["dtype"] == "DT_FLOAT"
@@ -136,4 +136,4 @@ def test_grpc_predict(served):
     expected, expected_scores = _in_process(version_dir, SENTENCES)
     assert translations == expected
     np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-4)
-    assert set(signatures.signature_def["serving_default"].outputs) == {"translation", "score"}
+    assert set(signatures.signature_def["serving_default"].outputs) == {"translation", "score", "truncated"}

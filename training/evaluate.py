@@ -101,7 +101,7 @@ def translate_all(translator, sources: list[str], beam_size: int = 4, batch_size
 
     bar = tqdm(total=len(sources), unit="sent", file=sys.stderr, disable=not progress)
     with bar:
-        hypotheses, _ = translate_lines(translate, sources, batch_size, bar)
+        hypotheses = translate_lines(translate, sources, batch_size, bar).texts
     return hypotheses
 
 

@@ -112,6 +112,9 @@ std::string JsonOutput(const std::string& key, const Tensor& t) {
       case tensorflow::DT_INT32:
         values += std::to_string(t.flat<int32_t>()(i));
         break;
+      case tensorflow::DT_BOOL:
+        values += t.flat<bool>()(i) ? "true" : "false";
+        break;
       default:
         values += "null";
     }
