@@ -10,6 +10,7 @@ the project's `serving` extra), imported only when a `GrpcClient` is made.
     rest.translate(["A man is riding a bike."])          # ["Ein Mann fährt Fahrrad."]
     rest.translate_with_scores(["A dog runs."])          # (["..."], [-0.53])
     rest.translate_batch(["A dog runs."])                # TranslatedBatch(translations, scores, truncated)
+    rest.n_best(["A dog runs."]).translations            # [["...", "...", "...", "..."]]: best first
     rest.metadata()                                      # the signatures, as TF Serving reports them
 
     grpc_client = GrpcClient("localhost:8500", "translator")
@@ -108,10 +109,20 @@ class RestClient:
         return predictions
 
     def translate_batch(self, texts, signature=None) -> TranslatedBatch:
+        """One signature's outputs for `texts`; with the `n_best` signature a list of translations and of
+        scores per text."""
         predictions = self.predict(texts, signature)
+        if predictions and "translations" in predictions[0]:  # n_best
+            return TranslatedBatch([[_rest_text(t) for t in p["translations"]] for p in predictions],
+                                   [[float(s) for s in p["scores"]] for p in predictions],
+                                   [bool(p.get("truncated", False)) for p in predictions])
         return TranslatedBatch([_rest_text(p["translation"]) for p in predictions],
                                [float(p["score"]) for p in predictions],
                                [bool(p.get("truncated", False)) for p in predictions])
+
+    def n_best(self, texts) -> TranslatedBatch:
+        """The `n_best` signature: each text's n different translations and their scores, best first."""
+        return self.translate_batch(texts, "n_best")
 
     def translate_with_scores(self, texts, signature=None):
         return self.translate_batch(texts, signature)[:2]
@@ -173,8 +184,11 @@ class GrpcClient:
         from tensorflow import make_ndarray  # float outputs may come as float_val or packed tensor_content
 
         response = self.predict(texts, signature)
-        translations = [t.decode("utf-8", errors="replace") for t in make_ndarray(response.outputs["translation"])]
-        scores = make_ndarray(response.outputs["score"]).tolist()
+        many = "translations" in response.outputs  # n_best: [batch, n]
+        translations = make_ndarray(response.outputs["translations" if many else "translation"]).tolist()
+        translations = [[t.decode("utf-8", errors="replace") for t in row] if many
+                        else row.decode("utf-8", errors="replace") for row in translations]
+        scores = make_ndarray(response.outputs["scores" if many else "score"]).tolist()
         if len(translations) != len(texts):
             raise ServingError(f"Sent {len(texts)} texts, got {len(translations)} translations")
         truncated = ([bool(t) for t in make_ndarray(response.outputs["truncated"])]
@@ -183,6 +197,10 @@ class GrpcClient:
 
     def translate_with_scores(self, texts, signature=None):
         return self.translate_batch(texts, signature)[:2]
+
+    def n_best(self, texts) -> TranslatedBatch:
+        """The `n_best` signature: each text's n different translations and their scores, best first."""
+        return self.translate_batch(texts, "n_best")
 
     def translate(self, texts, signature=None) -> list[str]:
         return self.translate_with_scores(texts, signature)[0]

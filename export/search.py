@@ -151,8 +151,8 @@ class _BeamState(NamedTuple):
     limits: tf.Tensor  # [batch] each sentence's most output tokens
     memory: Any  # (encoder output, source mask), one per sentence
     cache: Any  # init_cache: self-attention per row [batch * (k + 1)], cross-attention per sentence; or {}
-    best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis
-    best_scores: tf.Tensor  # [input batch] its score
+    best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis ([.., n, steps]: n best)
+    best_scores: tf.Tensor  # [input batch] its score ([input batch, n]: theirs)
 
 
 # The beam fields of the sentences still searching, which a done sentence leaves.
@@ -161,7 +161,8 @@ _BEAM_SENTENCE_FIELDS = (
     "beam_done", "greedy_tokens", "greedy_log_prob", "greedy_done", "sentences", "limits", "memory")
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True,
+                n_best=None):
     """`keras_transformer.beam_search` (the same hypotheses, scores and early stop) on the engine's step.
 
     Each sentence's k beams and its greedy hypothesis are k + 1 rows of one loop; a sentence whose rows
@@ -177,15 +178,21 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         max_length: most output tokens; by default source length + 50.
         use_cache: False recomputes the whole prefix every step (same result, slower; the reference
             of `--no-cache` exports).
+        n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
 
     Returns:
         tokens: int32 `[batch, length]`, the best finished hypothesis, padded with 0 after `end_id`,
-            trimmed to the longest.
-        scores: float32 `[batch]`, its log-probability / length penalty.
+            trimmed to the longest; with `n_best`, `[batch, n_best, length]`.
+        scores: float32 `[batch]`, its log-probability / length penalty; with `n_best`, `[batch, n_best]`.
 
     Wrap the call in `tf.function`.
     """
     k = beam_size
+    if n_best is not None and not 1 <= n_best <= k:
+        raise ValueError(f"n_best must be from 1 to beam_size ({k}), got {n_best}")
+    # The single-best search keeps its own (smaller) fields: its graph is what serving_default runs.
+    best = (lambda x: x[:, 0]) if n_best is None else (lambda x: x[:, :n_best])
+    best_shape = [] if n_best is None else [n_best]
     rows = k + 1  # per sentence: k beams, then the greedy hypothesis
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
     batch_size = tf.shape(encoder_output)[0]
@@ -205,17 +212,18 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         logits, cache = next_logits(
             cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
         )
-        best = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
-        n = -1 if best.token.shape[-1] is None else best.token.shape[-1]  # static: no shape ops per step
-        best = _NextTokens(*(tf.reshape(x, [batch_size, rows, n]) for x in best))
+        best_next = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
+        n = -1 if best_next.token.shape[-1] is None else best_next.token.shape[-1]  # static: no shape ops per step
+        best_next = _NextTokens(*(tf.reshape(x, [batch_size, rows, n]) for x in best_next))
 
-        state, source_row = _beam_update(state, best, cache_index, limits, end_id, k, alpha, _gather_rows)
+        state, source_row = _beam_update(state, best_next, cache_index, limits, end_id, k, alpha, _gather_rows,
+                                         n_best=n_best)
         sentences = state.sentences[:, None]
         state = state._replace(
             cache_index=cache_index + 1,
             cache=_reorder_cache(cache, source_row) if use_cache else cache,
-            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, sentences, state.finished_tokens[:, 0]),
-            best_scores=tf.tensor_scatter_nd_update(state.best_scores, sentences, state.finished_scores[:, 0]),
+            best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, sentences, best(state.finished_tokens)),
+            best_scores=tf.tensor_scatter_nd_update(state.best_scores, sentences, best(state.finished_scores)),
         )
         return _leave_when_done(state, state.beam_done & state.greedy_done, _BEAM_SENTENCE_FIELDS, rows)
 
@@ -241,8 +249,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         limits=limits,
         memory=memory,
         cache=cache,
-        best_tokens=tf.zeros([batch_size, steps], tf.int32),
-        best_scores=tf.fill([batch_size], _NEG),
+        best_tokens=tf.zeros([batch_size, *best_shape, steps], tf.int32),
+        best_scores=tf.fill([batch_size, *best_shape], _NEG),
     )
     state = _while_loop(not_done, step, state)
     return _trim(state.best_tokens), state.best_scores
@@ -479,9 +487,9 @@ def _gather_fields(state, index, names):
 
 
 def _trim(tokens):
-    """Drop the all-padding columns at the end of `[batch, steps]` tokens."""
-    length = tf.reduce_max(tf.concat([tf.reduce_sum(tf.cast(tokens != PAD_ID, tf.int32), axis=-1), [0]], 0))
-    return tokens[:, :length]
+    """Drop the all-padding columns at the end of `[batch, steps]` (or `[batch, n, steps]`) tokens."""
+    lengths = tf.reshape(tf.reduce_sum(tf.cast(tokens != PAD_ID, tf.int32), axis=-1), [-1])
+    return tokens[..., :tf.reduce_max(tf.concat([lengths, [0]], 0))]
 
 
 # ------------------------------------------------------------------ parallel loops
@@ -525,6 +533,8 @@ def parallel_decode(search, source_ids, num_loops):
     # A loop past the batch's last row gets none (Range rejects a start past its limit).
     rows = [tf.range(loop, tf.maximum(batch_size, loop), num_loops) for loop in range(num_loops)]
     results = [search(tf.gather(source_ids, loop_rows)) for loop_rows in rows]
-    length = tf.reduce_max(tf.stack([tf.shape(tokens)[1] for tokens, _ in results]))
-    tokens = [tf.pad(tokens, [[0, 0], [0, length - tf.shape(tokens)[1]]]) for tokens, _ in results]
+    length = tf.reduce_max(tf.stack([tf.shape(tokens)[-1] for tokens, _ in results]))
+    # Tokens `[n, length]`, or `[n, n_best, length]`: padded on their last axis to the longest loop's.
+    tokens = [tf.pad(tokens, [[0, 0]] * (tokens.shape.rank - 1) + [[0, length - tf.shape(tokens)[-1]]])
+              for tokens, _ in results]
     return tf.dynamic_stitch(rows, tokens), tf.dynamic_stitch(rows, [scores for _, scores in results])

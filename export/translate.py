@@ -4,6 +4,7 @@
     python -m export.translate --saved-model exports/translator < input.en > output.de
     kt-translate --saved-model exports/translator/1 --input test.en --output test.de --greedy
     kt-translate --server http://localhost:8501 --model-name translator --input test.en
+    kt-translate --saved-model exports/translator --input test.en --n-best   # "0 ||| translation ||| score"
 
 --saved-model takes a version directory (EXPORT_DIR/NAME/VERSION) or the
 model's base directory (EXPORT_DIR/NAME: its highest version is used).
@@ -62,15 +63,27 @@ class SavedModelTranslator:
     def __call__(self, texts) -> TranslatedBatch:
         out = self._fn(text=tf.constant(list(texts), dtype=tf.string))
         truncated = out["truncated"].numpy().tolist() if "truncated" in out else [False] * len(texts)
-        return TranslatedBatch([t.decode("utf-8", errors="replace") for t in out["translation"].numpy().tolist()],
-                               out["score"].numpy().tolist(), [bool(t) for t in truncated])
+        many = "translations" in out  # the n_best signature: a list per text
+        translations = out["translations" if many else "translation"].numpy().tolist()
+        return TranslatedBatch(_decoded(translations), out["scores" if many else "score"].numpy().tolist(),
+                               [bool(t) for t in truncated])
+
+
+def _decoded(texts):
+    """bytes -> str, in a list or a list of lists (n-best)."""
+    return [_decoded(t) if isinstance(t, list) else t.decode("utf-8", errors="replace") for t in texts]
+
+
+def _one_line(text):
+    """A translation (or a list of them) without line breaks: one output line per line."""
+    return [_one_line(t) for t in text] if isinstance(text, list) else text.replace("\r", " ").replace("\n", " ")
 
 
 class Translated(NamedTuple):
     """`translate_lines`' result, in input order."""
 
-    texts: list[str]
-    scores: list[float | None]  # None for a blank line
+    texts: list  # a str per line; with the n_best signature, a list of them
+    scores: list  # a float per line (a list with n_best); None for a blank line
     truncated_lines: list[int]  # 1-based numbers of the lines whose source was cut to the model's limit
 
 
@@ -85,7 +98,7 @@ def translate_lines(translate, lines, batch_size=32, progress=None) -> Translate
         if len(translations) != len(idx):
             raise RuntimeError(f"Asked for {len(idx)} translations, got {len(translations)}")
         for i, text, score in zip(idx, translations, batch_scores):
-            out[i], scores[i] = text.replace("\r", " ").replace("\n", " "), score  # one line per line
+            out[i], scores[i] = _one_line(text), score
         if truncated:
             truncated_lines += [i + 1 for i, cut in zip(idx, truncated[0]) if cut]
         if progress is not None:
@@ -113,6 +126,10 @@ def build_parser():
     p.add_argument("--signature", help="signature to call (default serving_default, or greedy with --greedy)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per request (default 32)")
     p.add_argument("--scores", action="store_true", help="write 'score<TAB>translation' lines")
+    p.add_argument("--n-best", action="store_true",
+                   help="write each line's n-best list (the n_best signature: n = the export's beam size), as "
+                   "'LINE ||| translation ||| score' lines, best first, LINE counting from 0 (Moses' n-best "
+                   "format); blank lines get no entries")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return p
@@ -121,7 +138,11 @@ def build_parser():
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
-    signature = args.signature or ("greedy" if args.greedy else "serving_default")
+    if args.n_best and (args.greedy or args.scores):
+        print("kt-translate: error: --n-best writes every hypothesis with its score; drop --greedy/--scores",
+              file=sys.stderr)
+        return 2
+    signature = args.signature or ("n_best" if args.n_best else "greedy" if args.greedy else "serving_default")
     if args.input:
         with open(args.input, "rb") as f:
             lines = split_lines(f.read())
@@ -145,7 +166,10 @@ def main(argv=None) -> int:
             progress.close()
     if truncated_lines:
         print(truncation_warning(truncated_lines), file=sys.stderr)
-    if args.scores:
+    if args.n_best:
+        text = "".join(f"{i} ||| {t} ||| {s:.4f}\n" for i, (texts, line_scores) in enumerate(zip(translations, scores))
+                       if line_scores is not None for t, s in zip(texts, line_scores))
+    elif args.scores:
         text = "".join(("" if s is None else f"{s:.4f}") + "\t" + t + "\n" for t, s in zip(translations, scores))
     else:
         text = "".join(t + "\n" for t in translations)

@@ -15,6 +15,9 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
   `[batch]` (the source was longer than the model's limit, and only its
   first `max_length - 1` pieces were translated).
 - `greedy`: same inputs and outputs, greedy decoding (faster).
+- `n_best`: `text` -> `translations` string `[batch, n]` and `scores` float32
+  `[batch, n]`, the beam's n = beam size different finished hypotheses, best
+  first (the first is `serving_default`'s), and `truncated`. Graph decoder only.
 - `translate_ids`: `source_ids` int32 `[batch, source_len]` (pieces + end id,
   padded with 0) -> `tokens` int32 `[batch, length]` (end id, then 0),
   `score` float32 `[batch]` (beam search), `truncated`, for clients that
@@ -87,6 +90,7 @@ TOKENIZER_FILENAME = "tokenizer.model"
 
 TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
+N_BEST_SIGNATURE = "n_best"
 IDS_SIGNATURE = "translate_ids"
 TOKENIZE_SIGNATURE = "tokenize"
 
@@ -208,6 +212,7 @@ class Translator(tf.Module):
     Functions (each a `tf.function`; `signatures()` names them):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
         translate_greedy(text) -> the same, greedy decoding
+        translate_n_best(text) -> {"translations": `[batch, beam_size]`, "scores": `[batch, beam_size]`}
         translate_ids(source_ids `[batch, len]`) -> {"tokens": `[batch, length]`, "score": `[batch]`}
         tokenize(text) -> {"source_ids": `[batch, len]`}
 
@@ -248,11 +253,12 @@ class Translator(tf.Module):
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
         self.translate = tf.function(self._translate_beam, input_signature=text_spec)
         self.translate_greedy = tf.function(self._translate_greedy, input_signature=text_spec)
+        self.translate_n_best = tf.function(self._translate_n_best, input_signature=text_spec)
         self.translate_ids = tf.function(
             self._translate_ids, input_signature=[tf.TensorSpec([None, None], tf.int32, name="source_ids")])
         self.tokenize = tf.function(self._tokenize, input_signature=text_spec)
         captured = {}
-        for fn in (self.translate, self.translate_greedy, self.translate_ids, self.tokenize):
+        for fn in (self.translate, self.translate_greedy, self.translate_n_best, self.translate_ids, self.tokenize):
             for v in fn.get_concrete_function().variables:
                 captured.setdefault(id(v), v)
         self.model_variables = list(captured.values())
@@ -297,6 +303,13 @@ class Translator(tf.Module):
                                     use_cache=self.use_cache),
             source_ids, self.parallel_loops)
 
+    def _n_best(self, source_ids):
+        model = self._model()
+        return parallel_decode(
+            lambda ids: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
+                                    use_cache=self.use_cache, n_best=self.beam_size),
+            source_ids, self.parallel_loops)
+
     def _greedy(self, source_ids, model=None):
         model = self._model() if model is None else model
         return parallel_decode(
@@ -332,6 +345,16 @@ class Translator(tf.Module):
         return {"translation": tf.where(empty, "", decode_output(self.tokenizer, tokens)),
                 "score": tf.where(empty, 0.0, tf.reshape(scores, [-1])), "truncated": tokenized["truncated"]}
 
+    def _translate_n_best(self, text):
+        tokenized = self._tokenize(text)
+        source = tokenized["source_ids"]
+        tokens, scores = self._n_best(source)  # [batch, n, length], [batch, n]
+        batch, n, length = tf.shape(tokens)[0], self.beam_size, tf.shape(tokens)[2]  # no -1: batch may be 0
+        texts = tf.reshape(decode_output(self.tokenizer, tf.reshape(tokens, [batch * n, length])), [batch, n])
+        empty = tf.equal(tf.math.count_nonzero(source, axis=1), 1)[:, None]  # as in _translate_text
+        return {"translations": tf.where(empty, "", texts), "scores": tf.where(empty, 0.0, scores),
+                "truncated": tokenized["truncated"]}
+
     def _translate_beam(self, text):
         return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
 
@@ -352,6 +375,7 @@ class Translator(tf.Module):
         return {
             TEXT_SIGNATURE: self.translate.get_concrete_function(),
             GREEDY_SIGNATURE: self.translate_greedy.get_concrete_function(),
+            N_BEST_SIGNATURE: self.translate_n_best.get_concrete_function(),
             IDS_SIGNATURE: self.translate_ids.get_concrete_function(),
             TOKENIZE_SIGNATURE: self.tokenize.get_concrete_function(),
         }

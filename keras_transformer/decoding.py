@@ -391,6 +391,7 @@ class _Beam(NamedTuple):
     k: int
     alpha: float
     limits: Any  # [batch] most output tokens per sentence
+    n_best: Any = None  # None: the best hypothesis; n: the n best, all different (`_beam_update`)
 
     def step(self, state):
         k, rows, index = self.k, self.k + 1, state.index
@@ -403,7 +404,8 @@ class _Beam(NamedTuple):
         best = _next_tokens(ops.cast(logits, "float32"), at_limit, self.end_id, 2 * k)
         best = _NextTokens(*(ops.reshape(x, (batch_size, rows, x.shape[-1])) for x in best))
 
-        state, source_row = _beam_update(state, best, index, self.limits, self.end_id, k, self.alpha)
+        state, source_row = _beam_update(state, best, index, self.limits, self.end_id, k, self.alpha,
+                                         n_best=self.n_best)
         return state._replace(index=index + 1, cache=_reorder_rows(cache, source_row))
 
     def done(self, state):
@@ -444,9 +446,13 @@ def _beam_candidates(state, best, index, end_id, k, take_rows=_take_rows):
 
 
 def _finish_hypotheses(state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, penalty, k,
-                       take_rows=_take_rows):
+                       take_rows=_take_rows, distinct=False):
     """The best k finished hypotheses once the ending candidates among the best k, and a
     greedy hypothesis that ends, are scored (log-probability / `penalty`) and added.
+
+    The greedy hypothesis can be a beam's too; with `distinct` it is then not
+    added twice, so the k finished hypotheses are k different outputs (the
+    n-best list). The best one is the same either way.
 
     Returns finished tokens `[batch, k, steps]`, their scores `[batch, k]` and
     the sentences' counts of finished beams `[batch]`.
@@ -458,6 +464,10 @@ def _finish_hypotheses(state, candidates, greedy_tokens, greedy_log_prob, greedy
     newly_finished = (candidates.ends & (ops.arange(2 * k) < k)[None] & ops.logical_not(state.beam_done)[:, None]
                       & (candidates.log_prob > _NEG / 2))
     new_scores = ops.where(newly_finished, candidates.log_prob / penalty, _NEG)
+    if distinct:
+        # A hypothesis ends at its length, so a beam's copy of the greedy one can only end at the same step.
+        copies = ops.all(candidates.tokens == greedy_tokens[:, None], axis=-1) & newly_finished
+        greedy_ends = greedy_ends & ops.logical_not(ops.any(copies, axis=1))
     greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, _NEG)
     scores, best = ops.top_k(ops.concatenate([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
     pool = ops.concatenate([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1)
@@ -473,8 +483,9 @@ def _keep_alive(candidates, k, take_rows=_take_rows):
     return (log_prob, *(take_rows(values, keep) for values in (candidates.tokens, candidates.beam, candidates.token)))
 
 
-def _stop_early(state, index, limits, alpha):
-    """`state` with its beams, and greedy hypotheses, done where they can no longer win.
+def _stop_early(state, index, limits, alpha, n=1):
+    """`state` with its beams, and greedy hypotheses, done where they can no longer win (or, for an
+    n-best list, no longer enter its first `n` places).
 
     A log-probability only falls as a hypothesis grows, so its best possible
     score is now over the largest penalty it can still reach (it has
@@ -482,21 +493,23 @@ def _stop_early(state, index, limits, alpha):
     unchanged; the loop just ends sooner.
     """
     largest_penalty = ops.maximum(length_penalty(index, alpha), length_penalty(limits, alpha))
-    best_finished = state.finished_scores[:, 0]
+    nth_finished = state.finished_scores[:, n - 1]
     return state._replace(
-        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < best_finished),
-        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < best_finished),
+        beam_done=state.beam_done | (state.alive_log_prob[:, 0] / largest_penalty < nth_finished),
+        greedy_done=state.greedy_done | (state.greedy_log_prob / largest_penalty < nth_finished),
     )
 
 
-def _beam_update(state, best, index, limits, end_id, k, alpha, take_rows=_take_rows):
+def _beam_update(state, best, index, limits, end_id, k, alpha, take_rows=_take_rows, n_best=None):
     """The beam's bookkeeping for one step: each row's best next tokens `best` (`_NextTokens`
     `[batch, k + 1, 2k]`, the k beams then the greedy hypothesis) at position `index` grow the
     hypotheses; those that end are scored and finished, the best k that do not stay alive, and a
     sentence is done once it has k finished, reaches its limit (`limits` `[batch]`) or can no longer win.
 
     Returns `state` with its hypothesis fields updated (not its index or cache), and the row
-    `[batch, k + 1]` of its sentence whose cache each row takes.
+    `[batch, k + 1]` of its sentence whose cache each row takes. With `n_best`, the finished
+    hypotheses are all different (`_finish_hypotheses`' `distinct`), and a sentence searches on until
+    no hypothesis can enter its first `n_best` places.
     """
     greedy_done = state.greedy_done
     greedy_token = ops.where(greedy_done, PAD_ID, best.token[:, k, 0])
@@ -507,7 +520,8 @@ def _beam_update(state, best, index, limits, end_id, k, alpha, take_rows=_take_r
     candidates = _beam_candidates(state, _NextTokens(best.log_prob[:, :k], best.token[:, :k]), index, end_id, k,
                                   take_rows)
     finished_tokens, finished_scores, num_finished = _finish_hypotheses(
-        state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(index + 1, alpha), k, take_rows)
+        state, candidates, greedy_tokens, greedy_log_prob, greedy_ends, length_penalty(index + 1, alpha), k, take_rows,
+        n_best is not None)
     alive_log_prob, alive_tokens, alive_beam, alive_token = _keep_alive(candidates, k, take_rows)
     state = _stop_early(state._replace(
         last=ops.concatenate([alive_token, greedy_token[:, None]], axis=1),
@@ -520,7 +534,7 @@ def _beam_update(state, best, index, limits, end_id, k, alpha, take_rows=_take_r
         greedy_tokens=greedy_tokens,
         greedy_log_prob=greedy_log_prob,
         greedy_done=greedy_done | greedy_ends,
-    ), index + 1, limits, alpha)
+    ), index + 1, limits, alpha, n_best or 1)
     return state, ops.concatenate([alive_beam, ops.full((ops.shape(alive_beam)[0], 1), k, "int32")], axis=1)
 
 
@@ -539,7 +553,7 @@ def _reorder_rows(cache, source_row):
     }
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -563,22 +577,39 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         alpha: length-penalty exponent (0.6 in the paper).
         max_length: most output tokens; by default source length + 50. Never
             more than the model's `max_length` with learned positions.
+        n_best: None for the best hypothesis alone; n (1 to `beam_size`) for
+            the n best finished hypotheses of each sentence, all different,
+            best first. The first is the one `n_best=None` returns.
 
     Returns:
         tokens: int32 `[batch, steps]`, the best finished hypothesis, padded
-            with 0 after `end_id` (`steps` as in `greedy_decode`).
-        scores: float32 `[batch]`, its log-probability / length penalty.
+            with 0 after `end_id` (`steps` as in `greedy_decode`); with
+            `n_best`, `[batch, n_best, steps]`.
+        scores: float32 `[batch]`, its log-probability / length penalty; with
+            `n_best`, `[batch, n_best]`, sorted from the best. A sentence with
+            fewer finished hypotheses than `n_best` (a length limit of a few
+            tokens) has a score of about -1e9 in the empty places.
 
     Compile it for speed (`jax.jit`, `tf.function`).
+
+    Example:
+
+    ```python
+    tokens, scores = kt.beam_search(model, source_ids, START_ID, END_ID, beam_size=4, n_best=4)
+    # tokens [batch, 4, steps]: four different translations of each sentence, best first
+    ```
     """
     with _no_gradient():
-        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder)
+        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder,
+                            n_best)
 
 
-def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder):
+def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder, n_best=None):
     """`beam_search` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if n_best is not None and not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be from 1 to beam_size ({beam_size}), got {n_best}")
     k, rows = beam_size, beam_size + 1
     prepared = _prepare(model, source_ids, max_length)
     batch_size, steps = ops.shape(prepared.encoder_output)[0], prepared.steps
@@ -598,5 +629,7 @@ def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_leng
         greedy_done=ops.zeros((batch_size,), "bool"),
         cache=cache,
     )
-    state = search_loop(_Beam(next_logits, end_id, k, alpha, prepared.limits), state, steps)
+    state = search_loop(_Beam(next_logits, end_id, k, alpha, prepared.limits, n_best=n_best), state, steps)
+    if n_best is not None:
+        return state.finished_tokens[:, :n_best], state.finished_scores[:, :n_best]
     return state.finished_tokens[:, 0], state.finished_scores[:, 0]

@@ -184,8 +184,8 @@ with tf.compat.v1.Session(graph=tf.Graph()) as sess:
         out = sess.run(fetches, feed)
         run = {}
         for k, v in out.items():
-            if v.dtype == object:
-                run[k] = [base64.b64encode(x).decode("ascii") for x in v.tolist()]
+            if v.dtype == object:  # strings, flattened ([batch] or [batch, n]); the shape is beside them
+                run[k] = [base64.b64encode(x).decode("ascii") for x in v.ravel().tolist()]
             else:
                 run[k] = v.tolist()
             run[k + "_shape"] = list(v.shape)

@@ -18,6 +18,7 @@ import struct
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_text
@@ -93,11 +94,19 @@ def outputs(run):
 
 
 def tf1_outputs(run):
-    """A conftest.run_tf1 run (base64 strings, floats) in serving_check's form."""
-    return {"translation": [base64.b64decode(t).hex() for t in run["translation"]],
-            "translation_shape": run["translation_shape"],
-            "score": [struct.pack(">f", s).hex() for s in run["score"]], "score_shape": run["score_shape"],
-            "truncated": run["truncated"], "truncated_shape": run["truncated_shape"]}
+    """A conftest.run_tf1 run (base64 strings, floats, bools; nested for 2-D outputs) in serving_check's form:
+    flat values, strings in hex, floats as their bits in hex."""
+    out = {}
+    for key, value in run.items():
+        if key.endswith("_shape"):
+            out[key] = value
+        elif key in ("translation", "translations"):
+            out[key] = [base64.b64decode(t).hex() for t in value]
+        elif key in ("score", "scores"):
+            out[key] = [struct.pack(">f", s).hex() for s in np.ravel(value).tolist()]
+        else:
+            out[key] = np.ravel(value).tolist()
+    return out
 
 
 def translations(run):
@@ -127,13 +136,17 @@ def test_cpp_loader_serves_what_the_python_session_serves(serving_check, exporte
     batch_512 = multi30k_lines("val.en", 512)
     requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (sentences, HOSTILE, [])]
     requests.append(("greedy", batch_512))
+    requests += [("n_best", sentences[:20] + HOSTILE), ("n_best", [])]
     cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
     python = run_tf1(exported, requests, tmp_path)["runs"]
     assert [r["signature"] for r in cpp] == [sig for sig, _ in requests]
     for (signature, texts), got, expected in zip(requests, cpp, python):
         assert "error" not in got, got["error"]
         assert outputs(got) == tf1_outputs(expected), (signature, len(texts))
-        assert got["translation_shape"] == got["score_shape"] == [len(texts)]
+        if signature == "n_best":
+            assert got["translations_shape"] == got["scores_shape"] == [len(texts), 4]
+        else:
+            assert got["translation_shape"] == got["score_shape"] == [len(texts)]
     assert all(translations(cpp[0])) and len(set(translations(cpp[0]))) > 10  # real, varied translations
 
 

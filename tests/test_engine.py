@@ -55,6 +55,28 @@ def test_the_engine_decodes_what_the_library_decodes_on_the_copy_task(copy_model
     assert ((tokens == END).sum(axis=1) == 1).all()  # every output ended: the comparison is not of limits
 
 
+@pytest.mark.parametrize("n_best", [1, 3, 4])
+def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
+    """n-best lists: the same hypotheses in the same order, with the same scores, in one loop and in two."""
+    source = copy_sources(22, 32)
+    source[::4, 3:] = 0
+    source[::4, 3] = END
+    library_tokens, library_scores = tf.function(
+        lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4, n_best=n_best))(source)
+    library_tokens = np.asarray(library_tokens)
+    for loops in (1, 2):
+        tokens, scores = tf.function(lambda s: search.parallel_decode(
+            lambda ids: beam_search(copy_model, ids, START, END, beam_size=4, n_best=n_best), s, loops))(source)
+        tokens = np.asarray(tokens)
+        assert tokens.shape[:2] == (32, n_best)
+        np.testing.assert_array_equal(tokens, library_tokens[..., :tokens.shape[-1]])
+        assert (library_tokens[..., tokens.shape[-1]:] == 0).all()
+        np.testing.assert_allclose(np.asarray(scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
+    # The first of the list is the single best, as serving_default decodes it.
+    best, _ = _beam(copy_model, 4)(source)
+    np.testing.assert_array_equal(tokens[:, 0, :best.shape[1]], np.asarray(best))
+
+
 @needs_multi30k
 def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(quick_model_dir):
     from export.tokenizer import encode_source

@@ -48,6 +48,15 @@ def exported(model_dir, tmp_path_factory):
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 
 
+def _json_value(value):
+    """One row of an output as TF Serving's REST API writes it (strings as text, arrays as lists)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        return [_json_value(v) for v in value]
+    return value.item()
+
+
 def _unb64(items):
     return [base64.b64decode(x) for x in items]
 
@@ -327,9 +336,8 @@ def stand_in_server(exported):
             instances = [t["text"] if isinstance(t, dict) and "b64" not in t else t for t in body["instances"]]
             texts = [base64.b64decode(t["b64"]) if isinstance(t, dict) else t.encode("utf-8") for t in instances]
             out = outputs(body.get("signature_name", "serving_default"), texts)
-            self._send(200, {"predictions": [
-                {k: v[i].decode("utf-8") if isinstance(v[i], bytes) else v[i].item() for k, v in out.items()}
-                for i in range(len(texts))]})
+            self._send(200, {"predictions": [{k: _json_value(v[i]) for k, v in out.items()}
+                                             for i in range(len(texts))]})
 
     rest = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Rest)
     threading.Thread(target=rest.serve_forever, daemon=True).start()
@@ -414,6 +422,8 @@ def test_rest_client_and_kt_translate_server_mode(stand_in_server, tmp_path, cap
 
     # A source longer than the model's limit: the client reports it, kt-translate names its line.
     assert rest.translate_batch([texts[0], LONG_TEXT, ""]).truncated == [False, True, False]
+    n_best = rest.n_best(texts[:2])
+    assert [row[0] for row in n_best.translations] == expected[:2] and len(n_best.scores[0]) == 4
     source.write_text("\n".join(_lines("val.en", 2) + ["", LONG_TEXT]) + "\n", encoding="utf-8")
     assert translate_cli.main(["--server", stand_in_server["rest"], "--input", str(source), "--output", str(out),
                                "--no-progress"]) == 0
@@ -440,6 +450,8 @@ def test_grpc_client(stand_in_server):
         assert client.translate([]) == []
         assert set(client.metadata().signature_def["serving_default"].outputs) == {"translation", "score", "truncated"}
         assert client.translate_batch([texts[0], LONG_TEXT]).truncated == [False, True]
+        n_best = client.n_best(texts[:2])
+        assert [row[0] for row in n_best.translations] == expected[:2] and len(n_best.scores[0]) == 4
     finally:
         client.close()
 
@@ -461,6 +473,42 @@ def test_every_signature_says_whether_the_source_was_truncated(model_dir, export
     sources = tf.ragged.constant([pieces[:MAX_LENGTH - 1] + [END_ID], pieces[:MAX_LENGTH] + [END_ID],
                                   pieces[:MAX_LENGTH - 1]]).to_tensor(0)
     assert loaded.signatures["translate_ids"](source_ids=sources)["truncated"].numpy().tolist() == [False, True, False]
+
+
+def test_the_n_best_list_is_sorted_distinct_and_led_by_serving_default(exported, tmp_path):
+    """The n_best signature, through the TF1 loader TF Serving uses: per sentence the beam's 4 different
+    translations, best first, the first serving_default's own; an empty input gets empty entries."""
+    sentences = _lines("val.en", 24)
+    result = run_tf1(exported, [("n_best", sentences + ["", LONG_TEXT]), ("serving_default", sentences)],
+                     tmp_path)
+    n_best, best = result["runs"]
+    assert n_best["translations_shape"] == n_best["scores_shape"] == [26, 4]
+    translations = np.array(_unb64(n_best["translations"]), dtype=object).reshape(26, 4)
+    scores = np.array(n_best["scores"])
+    assert list(translations[:24, 0]) == _unb64(best["translation"])
+    np.testing.assert_allclose(scores[:24, 0], best["score"], rtol=1e-5, atol=1e-5)
+    assert (np.diff(scores[:24], axis=1) <= 0).all() and (scores[:24] > -1e8).all()
+    # Different outputs (as token sequences; two may still detokenize alike): almost always different text.
+    assert sum(len(set(row)) == 4 for row in translations[:24]) >= 20
+    assert list(translations[24]) == [b""] * 4 and list(scores[24]) == [0.0] * 4
+    assert n_best["truncated"] == best["truncated"] + [False, True]
+
+
+def test_kt_translate_n_best_writes_the_moses_format(exported, tmp_path, capsys):
+    from export import translate as translate_cli
+
+    lines = _lines("val.en", 3) + [""] + _lines("val.en", 5)[3:]
+    out = tmp_path / "out.de"
+    assert translate_cli.main(["--saved-model", str(exported), "--input", str(write_lines(tmp_path / "in.en", lines)),
+                               "--output", str(out), "--no-progress", "--n-best"]) == 0
+    rows = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [int(r[0]) for r in rows] == [i for i in (0, 1, 2, 4, 5) for _ in range(4)]  # the blank line: none
+    loaded = tf.saved_model.load(str(exported))
+    expected = loaded.signatures["n_best"](text=tf.constant([line for line in lines if line]))
+    assert [r[1] for r in rows] == [t.decode() for t in expected["translations"].numpy().ravel().tolist()]
+    np.testing.assert_allclose([float(r[2]) for r in rows], expected["scores"].numpy().ravel(), atol=1e-4)
+    assert translate_cli.main(["--saved-model", str(exported), "--n-best", "--greedy"]) == 2
+    assert "--n-best writes every hypothesis" in capsys.readouterr().err
 
 
 def test_kt_translate_warns_naming_the_truncated_lines(exported, tmp_path, capsys):

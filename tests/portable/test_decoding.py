@@ -102,6 +102,38 @@ def test_scores_are_length_penalised_log_probabilities(copy_model):
     assert_length_penalised_log_probs(copy_model, source, tokens, scores, alpha=0.6)
 
 
+def test_n_best_is_sorted_distinct_scored_and_led_by_the_best(copy_model):
+    """The n-best list: best first, its first entry beam search's output, its entries different outputs,
+    each scored as the length-penalised log-probability of that output."""
+    source = copy_sources(5, 16)
+    best_tokens, best_scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4))(source)
+    tokens, scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=4, n_best=4))(source)
+    tokens, scores = to_numpy(tokens), to_numpy(scores)
+    assert tokens.shape[:2] == scores.shape == (16, 4)
+    np.testing.assert_array_equal(tokens[:, 0], to_numpy(best_tokens))
+    np.testing.assert_allclose(scores[:, 0], to_numpy(best_scores), rtol=1e-6)
+    assert (np.diff(scores, axis=1) <= 0).all()
+    assert (scores > -1e8).all()  # every sentence has its 4 hypotheses
+    for i in range(len(source)):
+        outputs = {tuple(row[row != 0]) for row in tokens[i]}
+        assert len(outputs) == 4, tokens[i]
+        assert_length_penalised_log_probs(copy_model, np.repeat(source[i : i + 1], 4, axis=0), tokens[i], scores[i],
+                                          alpha=0.6)
+    with pytest.raises(ValueError, match="n_best must be from 1 to beam_size"):
+        kt.beam_search(copy_model, source, START, END, beam_size=2, n_best=3)
+
+
+def test_without_distinct_hypotheses_the_greedy_one_can_be_there_twice(copy_model, monkeypatch):
+    """Why `distinct`: the greedy hypothesis is often also a beam's, and the pool then holds it twice.
+    (If this stopped finding a copy, the n-best test above would no longer test distinctness.)"""
+    from keras_transformer import decoding
+
+    finish = decoding._finish_hypotheses
+    monkeypatch.setattr(decoding, "_finish_hypotheses", lambda *args, **kwargs: finish(*args[:8]))
+    tokens, _ = kt.beam_search(copy_model, copy_sources(5, 16), START, END, beam_size=4, n_best=4)
+    assert any(len({tuple(row[row != 0]) for row in rows}) < 4 for rows in to_numpy(tokens))
+
+
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
     sentence, batch = a_sentence_and_a_batch_holding_it()
