@@ -30,8 +30,8 @@ import tensorflow as tf
 from export.step import decode_step, init_cache, uncached_logits
 from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound  # noqa: F401 (re-exported)
-from keras_transformer.decoding import (  # the beam's bookkeeping, the library's own
-    _beam_update, _write_column)
+from keras_transformer.decoding import (  # the beam's bookkeeping and the options' rules, the library's own
+    Sampling, _beam_update, _prefix_tokens, _sampled_token, _write_column)
 from keras_transformer.masking import PAD_ID
 
 _NEG = -1e9
@@ -51,7 +51,7 @@ class _GreedyState(NamedTuple):
     finished: tf.Tensor  # [active] bool: the end token is out (always False once rows leave)
     log_prob: tf.Tensor  # [active] log P(output so far)
     lengths: tf.Tensor  # [active] output tokens, the end token included
-    memory: Any  # (encoder output, source padding mask, output limits) of the active rows
+    memory: Any  # (encoder output, source padding mask, output limits, sampling or ()) of the active rows
     cache: Any  # export.step.init_cache of the active rows, or {} without the cache
     tokens: tf.Tensor  # [batch, steps] the output, padding after the end token
     log_prob_out: tf.Tensor  # [batch] each row's log_prob, as of its last step
@@ -62,11 +62,13 @@ class _GreedyState(NamedTuple):
 _GREEDY_ROW_FIELDS = ("rows", "last", "finished", "log_prob", "lengths", "memory")
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True):
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True, sampling=None):
     """`keras_transformer.greedy_decode` (the same tokens and scores) on the engine's step.
 
     Rows that end leave the batch (outside XLA). Arguments as the library's, plus `use_cache=False`: a
-    full pass every step (same tokens, slower; the reference of `--no-cache` exports).
+    full pass every step (same tokens, slower; the reference of `--no-cache` exports), and `sampling`:
+    a `keras_transformer.decoding.Sampling` of `[batch]` tensors for `keras_transformer.sample_decode`
+    (the same draws: the library's own choice of token, `_sampled_token`).
 
     Returns:
         tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at the limit), padded with 0
@@ -80,10 +82,15 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     next_logits = _next_logits_fn(model, start_id, use_cache)
 
     def step(state):
-        encoder_output, source_mask, limits = state.memory
+        encoder_output, source_mask, limits, row_sampling = state.memory
         outputs = tf.gather(state.tokens, state.rows) if not use_cache else None
         logits, cache = next_logits(state.cache_index, state.last, outputs, state.cache, encoder_output, source_mask)
-        best = _most_likely_token(logits, state.cache_index + 1 >= limits, end_id)
+        at_limit = state.cache_index + 1 >= limits
+        if sampling is None:
+            best = _most_likely_token(logits, at_limit, end_id)
+        else:
+            drawn = _sampled_token(tf.cast(logits, tf.float32), at_limit, end_id, row_sampling, state.cache_index)
+            best = _NextTokens(drawn.log_prob[:, None], drawn.token[:, None])
         token, _, log_prob, ends = _greedy_step(
             best, state.cache_index, None, state.log_prob, state.finished, end_id
         )
@@ -114,7 +121,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         finished=tf.zeros([batch_size], tf.bool),
         log_prob=tf.zeros([batch_size], tf.float32),
         lengths=tf.zeros([batch_size], tf.int32),
-        memory=(encoder_output, source_mask, limits),
+        # The sampling settings leave with their rows; () without sampling.
+        memory=(encoder_output, source_mask, limits, () if sampling is None else Sampling(*sampling)),
         cache=init_cache(model, encoder_output, _cache_length(steps)) if use_cache else {},
         tokens=tf.zeros([batch_size, steps], tf.int32),
         log_prob_out=tf.zeros([batch_size], tf.float32),
@@ -149,7 +157,7 @@ class _BeamState(NamedTuple):
     greedy_done: tf.Tensor  # [batch] bool: it has ended, or cannot win any more
     sentences: tf.Tensor  # [batch] each sentence's row in the input batch
     limits: tf.Tensor  # [batch] each sentence's most output tokens
-    memory: Any  # (encoder output, source mask), one per sentence
+    memory: Any  # (encoder output, source mask, prefix ids or ()), one per sentence
     cache: Any  # init_cache: self-attention per row [batch * (k + 1)], cross-attention per sentence; or {}
     best_tokens: tf.Tensor  # [input batch, steps] each input sentence's best finished hypothesis ([.., n, steps]: n best)
     best_scores: tf.Tensor  # [input batch] its score ([input batch, n]: theirs)
@@ -162,7 +170,7 @@ _BEAM_SENTENCE_FIELDS = (
 
 
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True,
-                n_best=None):
+                n_best=None, prefix_ids=None):
     """`keras_transformer.beam_search` (the same hypotheses, scores and early stop) on the engine's step.
 
     Each sentence's k beams and its greedy hypothesis are k + 1 rows of one loop; a sentence whose rows
@@ -179,6 +187,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         use_cache: False recomputes the whole prefix every step (same result, slower; the reference
             of `--no-cache` exports).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
+        prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.
 
     Returns:
         tokens: int32 `[batch, length]`, the best finished hypothesis, padded with 0 after `end_id`,
@@ -201,18 +210,20 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         # Every hypothesis gets a row of the self-attention cache: [batch * rows, ...], sentence-major.
         # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
         cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache["self_attention"])
-    memory = (encoder_output, source_mask)
+    # The prefix leaves with its sentence; () without one.
+    memory = (encoder_output, source_mask, () if prefix_ids is None else tf.cast(prefix_ids, tf.int32))
     next_logits = _next_logits_fn(model, start_id, use_cache)
 
     def step(state):
-        cache_index, limits, (encoder_output, source_mask) = state.cache_index, state.limits, state.memory
+        cache_index, limits, (encoder_output, source_mask, prefix) = state.cache_index, state.limits, state.memory
         batch_size = tf.shape(state.last)[0]
         outputs = tf.concat([state.alive_tokens, state.greedy_tokens[:, None]], axis=1)
         outputs = tf.reshape(outputs, [batch_size * rows, -1])
         logits, cache = next_logits(
             cache_index, tf.reshape(state.last, [-1]), outputs, state.cache, encoder_output, source_mask
         )
-        best_next = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k)
+        forced = None if prefix_ids is None else tf.repeat(_prefix_tokens(prefix, cache_index), rows)
+        best_next = _next_tokens(logits, cache_index + 1 >= tf.repeat(limits, rows), end_id, 2 * k, forced)
         n = -1 if best_next.token.shape[-1] is None else best_next.token.shape[-1]  # static: no shape ops per step
         best_next = _NextTokens(*(tf.reshape(x, [batch_size, rows, n]) for x in best_next))
 
@@ -385,23 +396,30 @@ def _padding_bias(logits):
     return tf.one_hot(PAD_ID, vocab_size, on_value=_NEG, off_value=0.0)
 
 
-def _next_tokens(logits, at_limit, end_id, n):
+def _next_tokens(logits, at_limit, end_id, n, forced=None):
     """Each row's `n` most likely next tokens (`_NextTokens` `[rows, n]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
-    `end_id`, then `_NEG` entries. Log-probabilities are the log-softmax over
-    the whole vocabulary. Only the log-softmax and the top-k pass over
-    [rows, vocab]; the bans are applied to the n + 1 best.
+    `end_id`, then `_NEG` entries; so may a row with a `forced` token (`[rows]`
+    int32, -1 for none: a target prefix; None: no prefix) only take that one.
+    Log-probabilities are the log-softmax over the whole vocabulary. Only the
+    log-softmax and the top-k pass over [rows, vocab]; the bans are applied to
+    the n + 1 best.
     """
     n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
     log_probs = tf.nn.log_softmax(logits, axis=-1)
     top, tokens = _top_k(log_probs, n + 1)  # one more: padding may be among them
     log_prob, keep = tf.math.top_k(tf.where(tokens == PAD_ID, _NEG, top), n)
     first = tf.range(n) == 0
+    tokens = tf.gather(tokens, keep, batch_dims=1)
+    if forced is not None:  # a prefix's token, where a row has one (before the limit's end, which comes first)
+        forced_log_prob = tf.gather(log_probs, tf.maximum(forced, 0), batch_dims=1)[:, None]
+        log_prob = tf.where((forced >= 0)[:, None], tf.where(first, forced_log_prob, _NEG), log_prob)
+        tokens = tf.where((forced >= 0)[:, None], tf.where(first, forced[:, None], PAD_ID), tokens)
     end_log_prob = tf.gather(log_probs, end_id, axis=1)
     return _NextTokens(
         log_prob=tf.where(at_limit[:, None], tf.where(first, end_log_prob[:, None], _NEG), log_prob),
-        token=tf.where(at_limit[:, None], tf.where(first, end_id, PAD_ID), tf.gather(tokens, keep, batch_dims=1)),
+        token=tf.where(at_limit[:, None], tf.where(first, end_id, PAD_ID), tokens),
     )
 
 
@@ -495,16 +513,19 @@ def _trim(tokens):
 # ------------------------------------------------------------------ parallel loops
 
 
-def parallel_decode(search, source_ids, num_loops):
-    """`search(source_ids)` as `num_loops` independent decoding loops, each over every num_loops-th row.
+def parallel_decode(search, source_ids, num_loops, *row_inputs):
+    """`search(source_ids, *row_inputs)` as `num_loops` independent decoding loops, each over every
+    num_loops-th row.
 
     Args:
-        search: `source_ids [n, source_len] -> (tokens [n, length], scores [n])`,
+        search: `(source_ids [n, source_len], *row_inputs) -> (tokens [n, length], scores [n])`,
             e.g. `lambda ids: greedy_decode(model, ids, start_id, end_id)`;
             it must decode a sentence the same in any batch, as
             `greedy_decode` and `beam_search` do.
         source_ids: int `[batch, source_len]`, padded with 0.
-        num_loops: how many loops (1: `search(source_ids)` itself).
+        num_loops: how many loops (1: `search(source_ids, *row_inputs)` itself).
+        row_inputs: more per-sentence tensors `[batch, ...]` (a target prefix,
+            sampling settings), split into the loops with their rows.
 
     Returns:
         What `search(source_ids)` returns: tokens `[batch, length]` (0-padded)
@@ -527,12 +548,12 @@ def parallel_decode(search, source_ids, num_loops):
     if num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
     if num_loops == 1 or in_xla_context():
-        return search(source_ids)
+        return search(source_ids, *row_inputs)
     source_ids = tf.convert_to_tensor(source_ids)
     batch_size = tf.shape(source_ids)[0]
     # A loop past the batch's last row gets none (Range rejects a start past its limit).
     rows = [tf.range(loop, tf.maximum(batch_size, loop), num_loops) for loop in range(num_loops)]
-    results = [search(tf.gather(source_ids, loop_rows)) for loop_rows in rows]
+    results = [search(*(tf.gather(x, loop_rows) for x in (source_ids, *row_inputs))) for loop_rows in rows]
     length = tf.reduce_max(tf.stack([tf.shape(tokens)[-1] for tokens, _ in results]))
     # Tokens `[n, length]`, or `[n, n_best, length]`: padded on their last axis to the longest loop's.
     tokens = [tf.pad(tokens, [[0, 0]] * (tokens.shape.rank - 1) + [[0, length - tf.shape(tokens)[-1]]])

@@ -1,7 +1,7 @@
 """keras-transformer: the Transformer of "Attention Is All You Need" as Keras 3 layers."""
 
 from keras_transformer.attention import MultiHeadAttention
-from keras_transformer.decoding import beam_search, greedy_decode, greedy_generate, length_penalty
+from keras_transformer.decoding import beam_search, greedy_decode, greedy_generate, length_penalty, sample_decode
 from keras_transformer.decoder import Decoder, DecoderLayer
 from keras_transformer.embedding import PositionalEmbedding, positional_encoding
 from keras_transformer.encoder import Encoder, EncoderLayer
@@ -9,6 +9,7 @@ from keras_transformer.feed_forward import FeedForward
 from keras_transformer.losses import MaskedAccuracy, MaskedSparseCategoricalCrossentropy
 from keras_transformer.masking import PAD_ID, causal_mask, padding_mask
 from keras_transformer.model import PRESETS, Transformer
+from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.schedule import PaperAdam, TransformerSchedule, paper_adam
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Greedy decoding, beam search and greedy generation over the key/value cache: one loop, three searches.
+"""Greedy decoding, sampling, beam search and greedy generation over the key/value cache: one loop, four searches.
 
 Written in `keras.ops`, so they run on the JAX, PyTorch and TensorFlow
 backends and compile (`jax.jit`, `tf.function`). One loop (`search_loop`)
@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple
 import keras
 from keras import ops
 
+from keras_transformer.counter_noise import gumbel_noise
 from keras_transformer.masking import PAD_ID, padding_mask
 
 # Default room for the output: source length + 50 tokens (paper section 6.1).
@@ -151,39 +152,113 @@ def _padding_bias(vocab_size):
     return ops.where(ops.arange(vocab_size) == PAD_ID, _NEG, 0.0)
 
 
-def _most_likely_token(logits, at_limit, end_id):
+def _most_likely_token(logits, at_limit, end_id, forced=None, bias=None):
     """Each row's most likely next token (`_NextTokens` `[rows]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool, or None for no
-    limits) a row may only end. Its log-probability is the log-softmax over
-    the whole vocabulary.
+    limits) a row may only end; otherwise a row with a `forced` token
+    (`[rows]` int32, -1 for none: a target prefix) takes it. `bias`
+    (`[rows, vocab]`, _NEG at banned tokens) shifts the choice, not the
+    log-probability, which is the log-softmax over the whole vocabulary.
     """
     log_probs = ops.log_softmax(logits, axis=-1)
-    token = ops.cast(ops.argmax(log_probs + _padding_bias(ops.shape(logits)[-1]), axis=-1), "int32")
+    ranked = log_probs + _padding_bias(ops.shape(logits)[-1])
+    token = ops.cast(ops.argmax(ranked if bias is None else ranked + bias, axis=-1), "int32")
+    if forced is not None:
+        token = ops.where(forced >= 0, forced, token)
     if at_limit is not None:
         token = ops.where(at_limit, ops.cast(end_id, "int32"), token)
     return _NextTokens(ops.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], token)
 
 
-def _next_tokens(logits, at_limit, end_id, n):
+def _next_tokens(logits, at_limit, end_id, n, forced=None, bias=None):
     """Each row's `n` most likely next tokens (`_NextTokens` `[rows, n]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
-    `end_id`, then `_NEG` entries. Log-probabilities are the log-softmax over
-    the whole vocabulary.
+    `end_id`, then `_NEG` entries; so may a row with a `forced` token
+    (`[rows]` int32, -1 for none: a target prefix) only take that one.
+    Log-probabilities are the log-softmax over the whole vocabulary; `bias`
+    (`[rows, vocab]`, _NEG at banned tokens) is added to them before the top n.
     """
     n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
     log_probs = ops.log_softmax(logits, axis=-1)
-    top, tokens = ops.top_k(log_probs, n + 1)  # one more: padding may be among them
+    top, tokens = ops.top_k(log_probs if bias is None else log_probs + bias, n + 1)  # one more: padding may be there
     tokens = ops.cast(tokens, "int32")
     log_prob, keep = ops.top_k(ops.where(tokens == PAD_ID, _NEG, top), n)
-    first = ops.arange(n) == 0
-    end_log_prob = log_probs[:, end_id]
+    only = ops.full(ops.shape(at_limit), -1, "int32") if forced is None else forced
+    only = ops.where(at_limit, ops.cast(end_id, "int32"), only)  # the limit before a prefix
+    only_log_prob = ops.take_along_axis(log_probs, ops.maximum(only, 0)[:, None], axis=1)
+    first, forced_rows = ops.arange(n) == 0, (only >= 0)[:, None]
     return _NextTokens(
-        log_prob=ops.where(at_limit[:, None], ops.where(first, end_log_prob[:, None], _NEG), log_prob),
-        token=ops.where(at_limit[:, None], ops.where(first, end_id, PAD_ID),
+        log_prob=ops.where(forced_rows, ops.where(first, only_log_prob, _NEG), log_prob),
+        token=ops.where(forced_rows, ops.where(first, only[:, None], PAD_ID),
                         ops.take_along_axis(tokens, ops.cast(keep, "int32"), axis=1)),
     )
+
+
+class Sampling(NamedTuple):
+    """How `sample_decode` draws each token, per row, each `[rows]`."""
+
+    seed: Any  # int32: the row's seed (the same seed, the same sample)
+    temperature: Any  # float32 > 0: the log-probabilities are divided by it (1: the model's distribution)
+    top_k: Any  # int32: draw among the k most likely tokens only; 0: among all
+
+
+def _sampled_token(logits, at_limit, end_id, sampling, step, bias=None):
+    """Each row's next token (`_NextTokens` `[rows]`) drawn from softmax(log_probs / temperature) over its
+    `top_k` most likely tokens (`sampling`, a `Sampling`), by the Gumbel-max trick with
+    `counter_noise.gumbel_noise(seed, step)`. Never padding; at its limit only the end. The log-probability
+    is the model's own (the log-softmax of `logits` `[rows, vocab]`), whatever the temperature."""
+    log_probs = ops.log_softmax(logits, axis=-1)
+    vocab_size = logits.shape[-1]
+    allowed = log_probs + _padding_bias(vocab_size)
+    if bias is not None:
+        allowed = allowed + bias
+    # The k-th largest of a row (k at most vocab - 1: never the padding id, the smallest).
+    k = ops.where(sampling.top_k <= 0, vocab_size - 1, ops.minimum(sampling.top_k, vocab_size - 1))
+    kth = ops.take_along_axis(ops.sort(allowed, axis=-1), (vocab_size - k)[:, None], axis=1)
+    perturbed = allowed / sampling.temperature[:, None] + gumbel_noise(sampling.seed, step, vocab_size)
+    token = ops.cast(ops.argmax(ops.where(allowed >= kth, perturbed, float("-inf")), axis=-1), "int32")
+    if at_limit is not None:
+        token = ops.where(at_limit, ops.cast(end_id, "int32"), token)
+    return _NextTokens(ops.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], token)
+
+
+def _prefix_tokens(prefix_ids, column):
+    """Each row's prefix token at output `column` (`[rows]` int32), or -1 past its prefix.
+
+    `prefix_ids` `[rows, p]`: the tokens each output must begin with, 0-padded (p may be 0).
+    """
+    prefix_ids = ops.pad(ops.cast(prefix_ids, "int32"), [[0, 0], [0, 1]])  # a 0 past every prefix
+    token = ops.take(prefix_ids, ops.minimum(column, ops.shape(prefix_ids)[1] - 1), axis=1)
+    return ops.where(token == PAD_ID, -1, token)
+
+
+def _repeated_ngram_bias(outputs, length, n, vocab_size):
+    """`[rows, vocab]`: _NEG at each token that, written at column `length` of `outputs` `[rows, columns]`
+    (its first `length` columns written), would repeat one of the row's n-grams; 0 elsewhere.
+
+    The n-gram starting at column j is written if j + n <= length; it bans its last token when its
+    first n - 1 are the row's last n - 1 (for n = 1: every token written).
+    """
+    rows, columns = ops.shape(outputs)[0], outputs.shape[1]
+    if columns is None:  # a length known only when the search runs (TensorFlow, no static source length)
+        starts = ops.maximum(ops.shape(outputs)[1] - n + 1, 0)
+    elif columns < n:  # no n-gram fits in the buffer
+        return ops.zeros((rows, vocab_size), "float32")
+    else:
+        starts = columns - n + 1  # the n-grams that fit in the buffer
+    match = ops.broadcast_to((ops.arange(starts) + n <= length)[None], (rows, starts))
+    for i in range(n - 1):
+        last = ops.take(outputs, ops.maximum(length - n + 1 + i, 0), axis=1)  # [rows]
+        match = match & (outputs[:, i:i + starts] == last[:, None])
+    # A banned token's index, or the extra column `vocab_size` for an n-gram that does not match.
+    banned = ops.where(match, outputs[:, n - 1:], vocab_size)
+    row = ops.broadcast_to(ops.arange(rows, dtype="int32")[:, None], (rows, starts))
+    indices = ops.stack([ops.reshape(row, (-1,)), ops.reshape(ops.cast(banned, "int32"), (-1,))], axis=1)
+    bias = ops.scatter_update(ops.zeros((rows, vocab_size + 1), "float32"), indices,
+                              ops.full((rows * starts,), _NEG, "float32"))
+    return bias[:, :vocab_size]
 
 
 def _write_column(tokens, position, column):
@@ -211,12 +286,19 @@ class _Greedy(NamedTuple):
 
     The decoder reads position `index`; its token goes to output column
     `index - offset` (0 for a translation, prompt length - 1 for generation).
+    Options: a target prefix (`prefix_ids` `[batch, p]`: the first tokens,
+    forced), a ban on repeating an n-gram (`no_repeat_ngram_size` n > 0), and
+    a token drawn from the model's distribution in place of the most likely
+    (`sampling`, a `Sampling`).
     """
 
     next_logits: NextLogits
     end_id: int
     limits: Any = None  # [batch] most output tokens per row, or None
     offset: Any = 0
+    prefix_ids: Any = None
+    no_repeat_ngram_size: int = 0
+    sampling: Any = None
 
     def step(self, state):
         logits, cache = self.next_logits(state.last, state.index, state.tokens, state.cache)
@@ -224,9 +306,17 @@ class _Greedy(NamedTuple):
             index=state.index + 1)
 
     def choose(self, state, logits, column):
-        """`state` with every unfinished row's most likely token from `logits` `[batch, vocab]` at `column`."""
+        """`state` with every unfinished row's next token from `logits` `[batch, vocab]` at `column`."""
         at_limit = None if self.limits is None else column + 1 >= self.limits
-        best = _most_likely_token(ops.cast(logits, "float32"), at_limit, self.end_id)
+        logits = ops.cast(logits, "float32")
+        bias = None
+        if self.no_repeat_ngram_size:
+            bias = _repeated_ngram_bias(state.tokens, column, self.no_repeat_ngram_size, logits.shape[-1])
+        if self.sampling is not None:
+            best = _sampled_token(logits, at_limit, self.end_id, self.sampling, column, bias)
+        else:
+            forced = None if self.prefix_ids is None else _prefix_tokens(self.prefix_ids, column)
+            best = _most_likely_token(logits, at_limit, self.end_id, forced, bias)
         token = ops.where(state.finished, PAD_ID, best.token)
         return state._replace(
             last=token,
@@ -252,7 +342,8 @@ def _greedy_state(batch_size, columns, first_token, cache, index=0):
     )
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6):
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, prefix_ids=None,
+                  no_repeat_ngram_size=0):
     """Batched greedy decoding with the key/value cache.
 
     Args:
@@ -263,6 +354,11 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
             sentence gets its own source length + 50. Never more than the
             model's `max_length` with learned positions (its table ends there).
         alpha: length-penalty exponent for the reported score.
+        prefix_ids: optional int `[batch, p]`: the tokens each output must
+            begin with (no start or end id), 0-padded; the search goes on
+            from there. Their log-probabilities count in the score.
+        no_repeat_ngram_size: n > 0 bans any token that would make an n-gram
+            (n consecutive output tokens) appear twice in an output.
 
     Returns:
         tokens: int32 `[batch, steps]`, ending with `end_id` (unless cut at
@@ -274,16 +370,80 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     Compile it for speed, e.g. `jax.jit(lambda ids: greedy_decode(model, ids, 2, 3))`
     on JAX or `tf.function(...)` on TensorFlow.
     """
+    _check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
-        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder)
+        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
+                              prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
 
 
-def _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, decoder):
-    """`greedy_decode` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
+def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_length=None,
+                  alpha=0.6, no_repeat_ngram_size=0):
+    """Batched sampling with the key/value cache: each token drawn from the model's distribution.
+
+    The greedy loop with a random choice: at each step a row's token is drawn
+    from softmax(log P(token | row so far) / temperature) over its `top_k`
+    most likely tokens (never padding; at the length limit, only the end),
+    the standard way to back-translate monolingual text (Edunov et al., 2018).
+    The randomness is a hash of (seed, position, token id)
+    (`keras_transformer.counter_noise`), so a sentence with a given seed gets
+    the same output alone or in any batch, on every backend, every time.
+
+    Args:
+        model, source_ids, start_id, end_id, max_length, alpha,
+            no_repeat_ngram_size: as in `greedy_decode`.
+        seed: int, or int `[batch]`: one seed per sentence.
+        temperature: float > 0, or float `[batch]`. Below 1 sharpens the
+            distribution, above 1 flattens it.
+        top_k: int, or int `[batch]`: draw among the k most likely tokens
+            (ties at the k-th included); 0 (default): among all. 1 is greedy
+            decoding.
+
+    Returns:
+        tokens: int32 `[batch, steps]`, as `greedy_decode`'s.
+        scores: float32 `[batch]`, the output's log-probability under the model
+            (temperature 1, the whole vocabulary) / length penalty.
+
+    Example:
+
+    ```python
+    tokens, scores = kt.sample_decode(model, source_ids, START_ID, END_ID, seed=np.arange(len(source_ids)),
+                                      temperature=0.8, top_k=10)
+    ```
+    """
+    if isinstance(temperature, (int, float)) and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (top_k=1 is greedy decoding), got {temperature}")
+    if isinstance(top_k, int) and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: every token), got {top_k}")
+    _check_options(None, no_repeat_ngram_size)
+    with _no_gradient():
+        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
+                              no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k))
+
+
+def _check_options(prefix_ids, no_repeat_ngram_size):
+    if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
+        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
+    if prefix_ids is not None and len(ops.shape(prefix_ids)) != 2:
+        raise ValueError(f"prefix_ids must have shape [batch, prefix_len], got shape {ops.shape(prefix_ids)}")
+
+
+def _per_row(value, batch_size, dtype):
+    """A scalar or `[batch]` value as a `[batch]` tensor of `dtype`."""
+    return ops.broadcast_to(ops.cast(ops.convert_to_tensor(value), dtype), (batch_size,))
+
+
+def _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, decoder, prefix_ids=None,
+                   no_repeat_ngram_size=0, sampling=None):
+    """`greedy_decode` (or, with `sampling` = (seed, temperature, top_k), `sample_decode`) over
+    `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
     prepared = _prepare(model, source_ids, max_length)
     batch_size = ops.shape(prepared.encoder_output)[0]
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, prepared.steps)
-    search = _Greedy(next_logits, end_id, prepared.limits)
+    if sampling is not None:
+        sampling = Sampling(*(_per_row(value, batch_size, dtype)
+                              for value, dtype in zip(sampling, ("int32", "float32", "int32"))))
+    search = _Greedy(next_logits, end_id, prepared.limits, prefix_ids=prefix_ids,
+                     no_repeat_ngram_size=no_repeat_ngram_size, sampling=sampling)
     state = search_loop(search, _greedy_state(batch_size, prepared.steps, start_id, cache), prepared.steps)
     return state.tokens, state.log_prob / length_penalty(state.lengths, alpha)
 
@@ -392,6 +552,8 @@ class _Beam(NamedTuple):
     alpha: float
     limits: Any  # [batch] most output tokens per sentence
     n_best: Any = None  # None: the best hypothesis; n: the n best, all different (`_beam_update`)
+    prefix_ids: Any = None  # [batch, p] the first output tokens, forced; or None
+    no_repeat_ngram_size: int = 0  # n > 0: no hypothesis repeats an n-gram
 
     def step(self, state):
         k, rows, index = self.k, self.k + 1, state.index
@@ -400,8 +562,13 @@ class _Beam(NamedTuple):
         outputs = ops.reshape(ops.concatenate([state.alive_tokens, state.greedy_tokens[:, None]], axis=1),
                               (batch_size * rows, steps))
         logits, cache = self.next_logits(ops.reshape(state.last, (-1,)), index, outputs, state.cache)
+        logits = ops.cast(logits, "float32")
         at_limit = ops.repeat(index + 1 >= self.limits, rows, axis=0)
-        best = _next_tokens(ops.cast(logits, "float32"), at_limit, self.end_id, 2 * k)
+        forced = None if self.prefix_ids is None else ops.repeat(_prefix_tokens(self.prefix_ids, index), rows, axis=0)
+        bias = None
+        if self.no_repeat_ngram_size:
+            bias = _repeated_ngram_bias(outputs, index, self.no_repeat_ngram_size, logits.shape[-1])
+        best = _next_tokens(logits, at_limit, self.end_id, 2 * k, forced, bias)
         best = _NextTokens(*(ops.reshape(x, (batch_size, rows, x.shape[-1])) for x in best))
 
         state, source_row = _beam_update(state, best, index, self.limits, self.end_id, k, self.alpha,
@@ -553,7 +720,8 @@ def _reorder_rows(cache, source_row):
     }
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None,
+                prefix_ids=None, no_repeat_ngram_size=0):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -580,6 +748,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         n_best: None for the best hypothesis alone; n (1 to `beam_size`) for
             the n best finished hypotheses of each sentence, all different,
             best first. The first is the one `n_best=None` returns.
+        prefix_ids: optional int `[batch, p]`: the tokens each output must
+            begin with (no start or end id), 0-padded; the beam searches on
+            from there, and their log-probabilities count in the score. An
+            empty prefix (all 0, or p = 0) changes nothing. The length limit
+            comes first: a prefix longer than it is cut.
+        no_repeat_ngram_size: n > 0: no hypothesis gets an n-gram (n
+            consecutive output tokens) twice, against outputs that loop.
 
     Returns:
         tokens: int32 `[batch, steps]`, the best finished hypothesis, padded
@@ -599,12 +774,14 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     # tokens [batch, 4, steps]: four different translations of each sentence, best first
     ```
     """
+    _check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder,
-                            n_best)
+                            n_best, prefix_ids, no_repeat_ngram_size)
 
 
-def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder, n_best=None):
+def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder, n_best=None,
+                 prefix_ids=None, no_repeat_ngram_size=0):
     """`beam_search` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -629,7 +806,9 @@ def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_leng
         greedy_done=ops.zeros((batch_size,), "bool"),
         cache=cache,
     )
-    state = search_loop(_Beam(next_logits, end_id, k, alpha, prepared.limits, n_best=n_best), state, steps)
+    search = _Beam(next_logits, end_id, k, alpha, prepared.limits, n_best=n_best, prefix_ids=prefix_ids,
+                   no_repeat_ngram_size=no_repeat_ngram_size)
+    state = search_loop(search, state, steps)
     if n_best is not None:
         return state.finished_tokens[:, :n_best], state.finished_scores[:, :n_best]
     return state.finished_tokens[:, 0], state.finished_scores[:, 0]

@@ -77,6 +77,54 @@ def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
     np.testing.assert_array_equal(tokens[:, 0, :best.shape[1]], np.asarray(best))
 
 
+def _prefixes(seed, batch, width=3):
+    """Target prefixes `[batch, width]` of 0 to `width` copy-task tokens each, 0-padded."""
+    rng = np.random.default_rng(seed)
+    prefix = np.zeros((batch, width), "int32")
+    for row, n in enumerate(rng.integers(0, width + 1, batch)):
+        prefix[row, :n] = rng.integers(4, 16, n)
+    return prefix
+
+
+def test_the_engines_prefixed_beam_search_is_the_librarys(copy_model):
+    """A target prefix per sentence: the same tokens and scores, in one loop and in two (sentences leave the batch
+    with their prefix), the cache and no cache."""
+    source = copy_sources(23, 32)
+    source[::4, 3:] = 0
+    source[::4, 3] = END
+    prefix = _prefixes(0, 32)
+    library_tokens, library_scores = tf.function(
+        lambda s, p: kt.beam_search(copy_model, s, START, END, beam_size=4, prefix_ids=p))(source, prefix)
+    for loops, use_cache in ((1, True), (2, True), (1, False)):
+        tokens, scores = tf.function(lambda s, p: search.parallel_decode(lambda ids, prefix: beam_search(
+            copy_model, ids, START, END, beam_size=4, use_cache=use_cache, prefix_ids=prefix), s, loops, p))(
+            source, prefix)
+        np.testing.assert_array_equal(trimmed(tokens), trimmed(library_tokens))
+        np.testing.assert_allclose(np.asarray(scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
+
+
+def test_the_engines_samples_are_the_librarys(copy_model):
+    """Sampling with per-sentence seeds, temperatures and top-k: the same draws (the same hash noise), in one loop
+    and in two (rows leave the batch with their settings)."""
+    from keras_transformer.decoding import Sampling
+
+    source = copy_sources(24, 32)
+    source[::4, 3:] = 0
+    source[::4, 3] = END
+    rng = np.random.default_rng(1)
+    settings = (rng.integers(0, 1000, 32).astype("int32"), rng.uniform(0.5, 2.0, 32).astype("float32"),
+                rng.integers(0, 6, 32).astype("int32"))
+    library_tokens, library_scores = tf.function(lambda s, seed, temperature, top_k: kt.sample_decode(
+        copy_model, s, START, END, seed=seed, temperature=temperature, top_k=top_k))(source, *settings)
+    for loops in (1, 2):
+        tokens, scores = tf.function(lambda s, *settings: search.parallel_decode(
+            lambda ids, *row_settings: greedy_decode(copy_model, ids, START, END, sampling=Sampling(*row_settings)),
+            s, loops, *settings))(source, *settings)
+        np.testing.assert_array_equal(trimmed(tokens), trimmed(library_tokens))
+        np.testing.assert_allclose(np.asarray(scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
+    assert len({tuple(row) for row in trimmed(library_tokens)}) > 16  # they are samples, not one output
+
+
 @needs_multi30k
 def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(quick_model_dir):
     from export.tokenizer import encode_source
