@@ -79,8 +79,10 @@ import tensorflow as tf
 
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
+from keras_transformer.decoding import Sampling
 from keras_transformer.hardware import native_bf16_flags
 from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
+from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
 
 # The files of a model directory.
@@ -91,6 +93,10 @@ TOKENIZER_FILENAME = "tokenizer.model"
 TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
 N_BEST_SIGNATURE = "n_best"
+SAMPLE_SIGNATURE = "sample"
+PREFIX_SIGNATURE = "prefix"
+SCORE_SIGNATURE = "score"
+ALIGN_SIGNATURE = "align"
 IDS_SIGNATURE = "translate_ids"
 TOKENIZE_SIGNATURE = "tokenize"
 
@@ -254,12 +260,20 @@ class Translator(tf.Module):
         self.translate = tf.function(self._translate_beam, input_signature=text_spec)
         self.translate_greedy = tf.function(self._translate_greedy, input_signature=text_spec)
         self.translate_n_best = tf.function(self._translate_n_best, input_signature=text_spec)
+        self.translate_sampled = tf.function(self._translate_sampled, input_signature=text_spec + [
+            tf.TensorSpec([None], tf.int64, name="seed"), tf.TensorSpec([None], tf.float32, name="temperature"),
+            tf.TensorSpec([None], tf.int32, name="top_k")])
+        self.translate_prefixed = tf.function(
+            self._translate_prefixed, input_signature=text_spec + [tf.TensorSpec([None], tf.string, name="prefix")])
+        self.score = tf.function(self._score, input_signature=text_spec + [
+            tf.TensorSpec([None], tf.string, name="target")])
+        self.translate_aligned = tf.function(self._translate_aligned, input_signature=text_spec)
         self.translate_ids = tf.function(
             self._translate_ids, input_signature=[tf.TensorSpec([None, None], tf.int32, name="source_ids")])
         self.tokenize = tf.function(self._tokenize, input_signature=text_spec)
         captured = {}
-        for fn in (self.translate, self.translate_greedy, self.translate_n_best, self.translate_ids, self.tokenize):
-            for v in fn.get_concrete_function().variables:
+        for fn in self.signatures().values():
+            for v in fn.variables:
                 captured.setdefault(id(v), v)
         self.model_variables = list(captured.values())
 
@@ -283,12 +297,15 @@ class Translator(tf.Module):
     def _tokenize(self, text):
         """Strings `[batch]` -> {"source_ids": int32 `[batch, len]`, pieces (truncated) + end id, 0-padded;
         "truncated": bool `[batch]`, whether a source had more pieces than that}."""
-        text = tf.strings.unicode_transcode(text, input_encoding="UTF-8", output_encoding="UTF-8",
-                                            errors="replace", replacement_char=0xFFFD)
-        pieces = self.tokenizer.tokenize(text)
+        pieces = self._pieces(text)
         source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
         return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None]),
                 "truncated": self._truncated(pieces)}
+
+    def _pieces(self, text):
+        """Strings `[batch]` -> their piece ids, ragged `[batch, (pieces)]`, invalid UTF-8 replaced by U+FFFD."""
+        return self.tokenizer.tokenize(tf.strings.unicode_transcode(
+            text, input_encoding="UTF-8", output_encoding="UTF-8", errors="replace", replacement_char=0xFFFD))
 
     def _truncated(self, pieces):
         """Ragged source pieces `[batch, (len)]` -> bool `[batch]`: more pieces than the source limit keeps."""
@@ -310,6 +327,20 @@ class Translator(tf.Module):
                                     use_cache=self.use_cache, n_best=self.beam_size),
             source_ids, self.parallel_loops)
 
+    def _prefixed(self, source_ids, prefix_ids):
+        model = self._model()
+        return parallel_decode(
+            lambda ids, prefix: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
+                                            use_cache=self.use_cache, prefix_ids=prefix),
+            source_ids, self.parallel_loops, prefix_ids)
+
+    def _sampled(self, source_ids, sampling):
+        model = self._model()
+        return parallel_decode(
+            lambda ids, *settings: greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha,
+                                                 use_cache=self.use_cache, sampling=Sampling(*settings)),
+            source_ids, self.parallel_loops, *sampling)
+
     def _greedy(self, source_ids, model=None):
         model = self._model() if model is None else model
         return parallel_decode(
@@ -320,7 +351,7 @@ class Translator(tf.Module):
         """`decode(source)`, or for a batch of 1 to `xla_max_batch` sentences `xla_decode` on the source
         padded to an XLA shape: the batch to the next power of two (or `xla_max_batch`) with copies of its
         last row, the length to a multiple of `XLA_LENGTH_MULTIPLE` with padding."""
-        if not self.xla_max_batch:
+        if not self.xla_max_batch or xla_decode is None:
             return decode(source)
         batch, length = tf.shape(source)[0], tf.shape(source)[1]
 
@@ -335,15 +366,17 @@ class Translator(tf.Module):
 
         return tf.cond((batch > 0) & (batch <= self.xla_max_batch), compiled, lambda: decode(source))
 
-    def _translate_text(self, text, decode, xla_decode=None):
+    def _translate_text(self, text, decode, xla_decode=None, extra=None):
+        """The text signatures' outputs for `text` `[batch]` decoded by `decode(source_ids)` (or, for small
+        batches, `xla_decode`); `extra(source_ids, tokens, empty)` -> more outputs."""
         tokenized = self._tokenize(text)
         source = tokenized["source_ids"]
         tokens, scores = self._decode(source, decode, xla_decode)
-        # Nothing to translate (the tokenizer gave no piece: the source is only the end id): "" and score 0,
-        # row by row, so the other rows and the batch size are as before.
-        empty = tf.equal(tf.math.count_nonzero(source, axis=1), 1)
+        # Nothing to translate: "" and score 0, row by row, so the other rows and the batch size are as before.
+        empty = _nothing_to_translate(source)
         return {"translation": tf.where(empty, "", decode_output(self.tokenizer, tokens)),
-                "score": tf.where(empty, 0.0, tf.reshape(scores, [-1])), "truncated": tokenized["truncated"]}
+                "score": tf.where(empty, 0.0, tf.reshape(scores, [-1])), "truncated": tokenized["truncated"],
+                **(extra(source, tokens, empty) if extra else {})}
 
     def _translate_n_best(self, text):
         tokenized = self._tokenize(text)
@@ -351,9 +384,43 @@ class Translator(tf.Module):
         tokens, scores = self._n_best(source)  # [batch, n, length], [batch, n]
         batch, n, length = tf.shape(tokens)[0], self.beam_size, tf.shape(tokens)[2]  # no -1: batch may be 0
         texts = tf.reshape(decode_output(self.tokenizer, tf.reshape(tokens, [batch * n, length])), [batch, n])
-        empty = tf.equal(tf.math.count_nonzero(source, axis=1), 1)[:, None]  # as in _translate_text
+        empty = _nothing_to_translate(source)[:, None]
         return {"translations": tf.where(empty, "", texts), "scores": tf.where(empty, 0.0, scores),
                 "truncated": tokenized["truncated"]}
+
+    def _translate_sampled(self, text, seed, temperature, top_k):
+        tf.debugging.assert_greater(temperature, 0.0, message="sample: every temperature must be > 0 "
+                                    "(top_k 1 is greedy decoding)")
+        # A seed is any int64; the hash reads its low 32 bits.
+        sampling = (tf.cast(seed, tf.int32), temperature, top_k)
+        return self._translate_text(text, lambda source: self._sampled(source, sampling))
+
+    def _translate_prefixed(self, text, prefix):
+        prefix_ids = tf.cast(self._pieces(prefix).to_tensor(PAD_ID), tf.int32)
+        return self._translate_text(text, lambda source: self._prefixed(source, prefix_ids))
+
+    def _translate_aligned(self, text):
+        def alignment(source, tokens, empty):
+            aligned = align_targets(self._model(), source, tokens, START_ID, END_ID)
+            return {"alignment": tf.where(empty[:, None], -1, aligned),
+                    "source_pieces": self._piece_strings(source, tf.zeros_like(empty)),
+                    "target_pieces": self._piece_strings(tokens, empty)}
+
+        return self._translate_text(text, self._beam, extra=alignment)
+
+    def _piece_strings(self, ids, empty):
+        """Ids `[batch, length]` -> their pieces, "" at padding and in the rows `empty` `[batch]`."""
+        ids = tf.ensure_shape(ids, [None, None])
+        return tf.where((ids != PAD_ID) & ~empty[:, None], self.tokenizer.id_to_string(ids), "")
+
+    def _score(self, text, target):
+        tokenized = self._tokenize(text)
+        target_pieces = self._pieces(target)
+        target_ids = tf.cast(source_from_pieces(target_pieces, self.max_source_length).to_tensor(PAD_ID), tf.int32)
+        scores, log_prob, _ = score_targets(self._model(), tokenized["source_ids"], target_ids, START_ID,
+                                            alpha=self.alpha)
+        return {"score": scores, "log_prob": log_prob,
+                "truncated": tokenized["truncated"] | self._truncated(target_pieces)}
 
     def _translate_beam(self, text):
         return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
@@ -376,6 +443,10 @@ class Translator(tf.Module):
             TEXT_SIGNATURE: self.translate.get_concrete_function(),
             GREEDY_SIGNATURE: self.translate_greedy.get_concrete_function(),
             N_BEST_SIGNATURE: self.translate_n_best.get_concrete_function(),
+            SAMPLE_SIGNATURE: self.translate_sampled.get_concrete_function(),
+            PREFIX_SIGNATURE: self.translate_prefixed.get_concrete_function(),
+            SCORE_SIGNATURE: self.score.get_concrete_function(),
+            ALIGN_SIGNATURE: self.translate_aligned.get_concrete_function(),
             IDS_SIGNATURE: self.translate_ids.get_concrete_function(),
             TOKENIZE_SIGNATURE: self.tokenize.get_concrete_function(),
         }
@@ -383,3 +454,8 @@ class Translator(tf.Module):
     def save(self, path):
         tf.saved_model.save(self, str(path), signatures=self.signatures())
         return path
+
+
+def _nothing_to_translate(source_ids):
+    """`[batch]` bool: the tokenizer gave no piece (empty or whitespace-only text): the source is only the end id."""
+    return tf.equal(tf.math.count_nonzero(source_ids, axis=1), 1)

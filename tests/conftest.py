@@ -177,10 +177,12 @@ results = {"loaded_python_modules": loaded_python_modules, "runs": []}
 with tf.compat.v1.Session(graph=tf.Graph()) as sess:
     meta_graph = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
     results["signatures"] = sorted(meta_graph.signature_def)
-    for signature_name, texts in requests:
+    for signature_name, texts, extra in requests:
         sig = meta_graph.signature_def[signature_name]
         fetches = {k: v.name for k, v in sig.outputs.items()}
         feed = {sig.inputs["text"].name: [base64.b64decode(t) for t in texts]}
+        for name, (kind, values) in extra.items():  # more inputs: strings base64-encoded, numbers as they are
+            feed[sig.inputs[name].name] = [base64.b64decode(v) for v in values] if kind == "strings" else values
         out = sess.run(fetches, feed)
         run = {}
         for k, v in out.items():
@@ -198,11 +200,20 @@ def _b64(text):
     return base64.b64encode(text if isinstance(text, bytes) else text.encode("utf-8")).decode("ascii")
 
 
+def _extra_inputs(extra):
+    """{input name: [values]} -> {name: ("strings", [base64]) or ("numbers", [values])}, as TF1_SCRIPT reads them."""
+    return {name: ("strings", [_b64(v) for v in values]) if values and isinstance(values[0], (str, bytes))
+            else ("numbers", [v.item() if hasattr(v, "item") else v for v in values])
+            for name, values in extra.items()}
+
+
 def run_tf1(saved_model, requests, tmp_path):
     """[(signature, [texts (str or bytes)])] -> the outputs of each run (strings base64-encoded), through the TF1
-    session loader TF Serving uses, in a fresh process."""
+    session loader TF Serving uses, in a fresh process. A request may have a third item, its other inputs:
+    {input name: [one value per text]} (strings, or numbers)."""
     req = tmp_path / "requests.json"
-    req.write_text(json.dumps([(sig, [_b64(t) for t in texts]) for sig, texts in requests]))
+    req.write_text(json.dumps([(request[0], [_b64(t) for t in request[1]],
+                                _extra_inputs(request[2] if len(request) > 2 else {})) for request in requests]))
     env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", TF1_SCRIPT, str(saved_model), str(req)], capture_output=True,
                           text=True, env=env, cwd=str(tmp_path), timeout=600)
@@ -232,6 +243,16 @@ def full_pass_decoder(start_id):
         return {}, next_logits
 
     return decoder
+
+
+@pytest.fixture(scope="session")
+def exported(quick_model_dir, tmp_path_factory):
+    """EXPORT_DIR/translator/1 of the quick model: beam 4, cached decoding (what kt-export writes by default), in 2
+    loops (kt-export's default on 2 CPUs; fixed here, so the tests decode in parallel loops on any machine).
+    One export for the session: the export, signature and C++ loader tests all read it."""
+    from export.export_model import export
+
+    return export(quick_model_dir, tmp_path_factory.mktemp("exports"), check_ops=False, parallel_loops=2)
 
 
 @pytest.fixture(scope="module")

@@ -66,12 +66,6 @@ def serving_check():
     return build_serving_check()
 
 
-@pytest.fixture(scope="module")
-def exported(quick_model_dir, tmp_path_factory):
-    # 2 decoding loops (kt-export's default on 2 CPUs), on any machine: the C++ loader runs them at once.
-    return export(quick_model_dir, tmp_path_factory.mktemp("cpp-exports"), check_ops=False, parallel_loops=2)
-
-
 def run_serving_check(binary, saved_model, tmp_path, requests=(), *, warmup=False, threads=0):
     """[(signature, [texts])] through serving_check -> (its runs, in order, and its "concurrent" summary)."""
     lines = []

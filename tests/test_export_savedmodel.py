@@ -37,13 +37,6 @@ def model_dir(quick_model_dir):
     return quick_model_dir
 
 
-@pytest.fixture(scope="session")
-def exported(model_dir, tmp_path_factory):
-    """EXPORT_DIR/translator/1: beam 4, cached decoding (what kt-export writes by default), in 2 loops
-    (kt-export's default on 2 CPUs; fixed here, so the tests decode in parallel loops on any machine)."""
-    return export(model_dir, tmp_path_factory.mktemp("exports"), check_ops=False, parallel_loops=2)
-
-
 # More pieces than the quick model's source limit (MAX_LENGTH), however the vocabulary cuts it.
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 
