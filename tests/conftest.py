@@ -255,7 +255,7 @@ def exported(quick_model_dir, tmp_path_factory):
     return export(quick_model_dir, tmp_path_factory.mktemp("exports"), check_ops=False, parallel_loops=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def copy_model():
     """Trained one epoch on the copy task: it has learned END but is still unsure,
     so beams really differ (a random model never says END)."""
