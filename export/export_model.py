@@ -11,9 +11,10 @@ polling EXPORT_DIR/NAME never loads a half-written version. It holds TF
 Serving's warm-up requests, assets.extra/tf_serving_warmup_requests, which the
 model server replays before it serves the version.
 
-Signatures: serving_default (text -> translation, score; beam search),
-greedy (same, greedy decoding), translate_ids (source_ids -> tokens, score),
-tokenize (text -> source_ids). See export/README.md.
+Signatures: serving_default (text -> translation, score, truncated; beam
+search), greedy (same, greedy decoding), n_best, sample, prefix, score, align,
+translate_ids (source_ids -> tokens, score), tokenize (text -> source_ids).
+See export/translator.py and export/README.md.
 """
 
 from __future__ import annotations

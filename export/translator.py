@@ -18,6 +18,24 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 - `n_best`: `text` -> `translations` string `[batch, n]` and `scores` float32
   `[batch, n]`, the beam's n = beam size different finished hypotheses, best
   first (the first is `serving_default`'s), and `truncated`. Graph decoder only.
+- `sample`: `text`, `seed` int64, `temperature` float32 (> 0) and `top_k`
+  int32 (0: every token), each `[batch]` -> `translation`, `score`,
+  `truncated`: each token drawn from softmax(log P / temperature) over the
+  top_k most likely (`keras_transformer.sample_decode`); the same text and
+  seed give the same translation alone or in any batch; top_k 1 is greedy
+  decoding. A temperature of 0 or less fails the request, naming it.
+- `prefix`: `text` and `prefix` string `[batch]` -> `translation`, `score`,
+  `truncated`: beam search whose output begins with the prefix's pieces
+  (whole pieces: "Ein Hund" forces "▁Ein ▁Hund"); "" is `serving_default`.
+- `score`: `text` and `target` string `[batch]` -> `score` (as
+  `serving_default` scores its own output), `log_prob` (log P(target | text)
+  under teacher forcing) and `truncated` (the source or the target was cut to
+  the limit), float32 / bool `[batch]` (`keras_transformer.score_targets`).
+- `align`: `text` -> `serving_default`'s outputs, plus `alignment` int32
+  `[batch, length]` (for each output piece, the source piece it attends to
+  most: `keras_transformer.align_targets`; -1 at padding), `source_pieces`
+  and `target_pieces` string `[batch, length]` (the pieces those indices
+  count, "</s>" included, "" at padding).
 - `translate_ids`: `source_ids` int32 `[batch, source_len]` (pieces + end id,
   padded with 0) -> `tokens` int32 `[batch, length]` (end id, then 0),
   `score` float32 `[batch]` (beam search), `truncated`, for clients that
@@ -25,8 +43,8 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 - `tokenize`: `text` -> `source_ids`, the source ids the text signatures decode
   from, and `truncated`.
 
-With `xla_max_batch` > 0 (`kt-export --xla-max-batch N`), the text
-signatures decode a batch of at most N sentences with the same search
+With `xla_max_batch` > 0 (`kt-export --xla-max-batch N`), `serving_default`
+and `greedy` decode a batch of at most N sentences with the same search
 compiled by XLA (`tf.function(jit_compile=True)`) in float32, and larger
 batches with the graph decoder. A small batch's step is a few MFLOP spread
 over some 300 ops, so it costs the executor's dispatch of each op; XLA runs
@@ -219,6 +237,8 @@ class Translator(tf.Module):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
         translate_greedy(text) -> the same, greedy decoding
         translate_n_best(text) -> {"translations": `[batch, beam_size]`, "scores": `[batch, beam_size]`}
+        translate_sampled(text, seed, temperature, top_k), translate_prefixed(text, prefix),
+        score(text, target), translate_aligned(text): the signatures of the same names (module docstring)
         translate_ids(source_ids `[batch, len]`) -> {"tokens": `[batch, length]`, "score": `[batch]`}
         tokenize(text) -> {"source_ids": `[batch, len]`}
 

@@ -55,6 +55,9 @@ def test_a_seed_gives_the_same_sample_twice_and_alone_or_in_a_batch(copy_model):
     seeds = np.array([4, 7, 9, 11], "int32")
     first, first_scores = run(batch, seeds)
     again, again_scores = run(batch, seeds)
+    # The score is the output's log-probability under the model itself (temperature 1), length-penalised.
+    np.testing.assert_allclose(to_numpy(first_scores),
+                               to_numpy(kt.score_targets(copy_model, batch, first, START)[0]), rtol=1e-4)
     np.testing.assert_array_equal(to_numpy(first), to_numpy(again))
     np.testing.assert_array_equal(to_numpy(first_scores), to_numpy(again_scores))
     alone = trimmed(run(sentence, seeds[1:2])[0])[0]
@@ -133,6 +136,10 @@ def test_a_prefix_is_honoured_scored_and_an_empty_one_changes_nothing(copy_model
         empty_tokens, empty_scores = run(source, empty)
         np.testing.assert_array_equal(to_numpy(empty_tokens), plain_tokens)
         np.testing.assert_allclose(to_numpy(empty_scores), plain_scores, rtol=1e-6)
+    # The length limit comes first: a 3-token prefix with room for 2 tokens gives its first token, then the end.
+    decode = kt.greedy_decode if decode == "greedy" else kt.beam_search
+    cut = to_numpy(decode(copy_model, source[:2], START, END, max_length=2, prefix_ids=np.array([[5, 6, 7]] * 2))[0])
+    np.testing.assert_array_equal(cut, [[5, END], [5, END]])
 
 
 # ------------------------------------------------------------------ repeated n-grams
