@@ -35,11 +35,15 @@ from training.config import CHECKPOINT_DIR  # noqa: E402
 _EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
 
 
+def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:
+    """(epoch, path) of each epoch checkpoint, in epoch order (epochs count from 1, as in their file names)."""
+    d = Path(model_dir) / CHECKPOINT_DIR
+    return sorted((int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name)))
+
+
 def list_checkpoints(model_dir) -> list[Path]:
     """Epoch checkpoints in epoch order."""
-    d = Path(model_dir) / CHECKPOINT_DIR
-    found = [(int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name))]
-    return [p for _, p in sorted(found)]
+    return [path for _, path in epoch_checkpoints(model_dir)]
 
 
 # For each score, whether a higher value is better.
@@ -69,8 +73,7 @@ def best_checkpoints(model_dir, n: int, by: str = "val_loss") -> list[tuple[Path
     if by not in SCORES:
         raise ValueError(f"unknown score {by!r}; one of {sorted(SCORES)}")
     scores = epoch_scores(model_dir, by)
-    scored = [(path, scores[epoch]) for path in list_checkpoints(model_dir)
-              if (epoch := int(_EPOCH.search(path.name).group(1))) in scores]
+    scored = [(path, scores[epoch]) for epoch, path in epoch_checkpoints(model_dir) if epoch in scores]
     scored.sort(key=lambda item: -item[1] if SCORES[by] else item[1])
     return scored[:n]
 

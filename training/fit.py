@@ -207,9 +207,10 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
           f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
 
-    backup = ResumableBackup(out_dir / "backup", cfg["backup_every"] or "epoch", num_workers=num_workers)
+    backup_dir = out_dir / "backup"
+    backup = ResumableBackup(backup_dir, cfg["backup_every"] or "epoch", num_workers=num_workers)
     initial_val_loss = None
-    if init is not None and val_ds is not None and not (out_dir / "backup").exists():
+    if init is not None and val_ds is not None and not backup_dir.exists():
         # Where fine-tuning starts on the new data: the first epoch's val_loss is measured against it.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Your input ran out of data")  # as in fit, below
