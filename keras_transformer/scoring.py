@@ -28,7 +28,8 @@ def _decoder_input(target_ids, start_id):
     if len(target_ids.shape) != 2:
         raise ValueError(f"target_ids must have shape [batch, target_len], got shape {target_ids.shape}")
     start = ops.full((ops.shape(target_ids)[0], 1), start_id, "int32")
-    return target_ids, ops.concatenate([start, target_ids[:, :-1]], axis=1)
+    # As long as the target, also when that is 0 (an empty batch's): the start id, then all but its last token.
+    return target_ids, ops.concatenate([start, target_ids], axis=1)[:, :ops.shape(target_ids)[1]]
 
 
 def score_targets(model, source_ids, target_ids, start_id, alpha=0.6):
@@ -81,5 +82,7 @@ def align_targets(model, source_ids, target_ids, start_id, end_id, layer=-1):
     source_ids = ops.cast(ops.convert_to_tensor(source_ids), "int32")
     weights = ops.mean(model.attention_scores(source_ids, target_in)["decoder_cross_attention"][layer], axis=1)
     is_piece = (source_ids != PAD_ID) & (source_ids != end_id)  # [batch, source_len]
-    alignment = ops.cast(ops.argmax(ops.where(is_piece[:, None], weights, -1.0), axis=-1), "int32")
+    # One more column, never the largest: argmax needs one, and a source of length 0 (an empty batch's) has none.
+    candidates = ops.pad(ops.where(is_piece[:, None], weights, -1.0), [[0, 0], [0, 0], [0, 1]], constant_values=-2.0)
+    alignment = ops.cast(ops.argmax(candidates, axis=-1), "int32")
     return ops.where((target_ids != PAD_ID) & ops.any(is_piece, axis=1)[:, None], alignment, -1)

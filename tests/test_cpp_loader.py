@@ -66,12 +66,32 @@ def serving_check():
     return build_serving_check()
 
 
+def _hex(text):
+    return (text if isinstance(text, bytes) else text.encode("utf-8")).hex()
+
+
+def _input_value(value):
+    """One value of a request's other input as serving_check reads it: strings in hex; floats as float.hex(),
+    which strtod reads back to the same double (serving_check then rounds it to float32 as numpy does for
+    run_tf1's feed); ints in decimal."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, (str, bytes)):
+        return _hex(value)
+    return value.hex() if isinstance(value, float) else str(int(value))
+
+
 def run_serving_check(binary, saved_model, tmp_path, requests=(), *, warmup=False, threads=0):
-    """[(signature, [texts])] through serving_check -> (its runs, in order, and its "concurrent" summary)."""
+    """[(signature, [texts])] through serving_check -> (its runs, in order, and its "concurrent" summary).
+    As with conftest's run_tf1, a request may have a third item, its other inputs: {input name: [values]}."""
     lines = []
-    for i, (signature, texts) in enumerate(requests):
+    for i, (signature, texts, *extra) in enumerate(requests):
         lines.append(f"{i} {signature} {len(texts)}")
-        lines += [(t if isinstance(t, bytes) else t.encode("utf-8")).hex() for t in texts]
+        lines += [_hex(t) for t in texts]
+        inputs = extra[0] if extra else {}
+        if inputs:  # a request with text only keeps the format without the "inputs" section
+            lines.append(f"inputs {len(inputs)}")
+            for name, values in inputs.items():
+                lines += [f"{name} {len(values)}", *map(_input_value, values)]
     (tmp_path / "requests.txt").write_text("".join(line + "\n" for line in lines))
     args = [str(binary), str(saved_model), str(OPS_DIR), "--requests", str(tmp_path / "requests.txt")]
     args += ["--warmup"] * warmup + ["--threads", str(threads)] * bool(threads)
@@ -88,18 +108,23 @@ def outputs(run):
 
 
 def tf1_outputs(run):
-    """A conftest.run_tf1 run (base64 strings, floats, bools; nested for 2-D outputs) in serving_check's form:
-    flat values, strings in hex, floats as their bits in hex."""
+    """A conftest.run_tf1 run (base64 strings, floats, ints, bools; nested for 2-D outputs) in serving_check's
+    form: flat values, strings in hex, floats as their bits in hex, ints and bools as they are. Every output is
+    converted by its values' type, so any signature's outputs compare whole (log_prob, alignment, pieces...)."""
+
+    def value(v):
+        if isinstance(v, str):  # run_tf1 gives strings, and only strings, as base64 text
+            return base64.b64decode(v).hex()
+        if isinstance(v, float):  # a float32 output: its float64 from tolist() is exact, so are its 32 bits
+            return struct.pack(">f", v).hex()
+        return v
+
     out = {}
-    for key, value in run.items():
+    for key, values in run.items():
         if key.endswith("_shape"):
-            out[key] = value
-        elif key in ("translation", "translations"):
-            out[key] = [base64.b64decode(t).hex() for t in value]
-        elif key in ("score", "scores"):
-            out[key] = [struct.pack(">f", s).hex() for s in np.ravel(value).tolist()]
-        else:
-            out[key] = np.ravel(value).tolist()
+            out[key] = values
+        else:  # dtype=object: ravel without turning ints into floats or bools into ints
+            out[key] = [value(v) for v in np.ravel(np.array(values, dtype=object)).tolist()]
     return out
 
 
@@ -142,6 +167,102 @@ def test_cpp_loader_serves_what_the_python_session_serves(serving_check, exporte
         else:
             assert got["translation_shape"] == got["score_shape"] == [len(texts)]
     assert all(translations(cpp[0])) and len(set(translations(cpp[0]))) > 10  # real, varied translations
+
+
+def sampling_inputs(n):
+    """The sample signature's other inputs for `n` texts: per-row seeds (negative and beyond 32 bits too: any
+    int64 is a seed), temperatures 0.7, 1.0 and 1.5 and top-k 0 (every token), 1 and 5, in all 9 pairs."""
+    return {"seed": [(-1) ** i * (i * 2**33 + 17 * i + 5) for i in range(n)],
+            "temperature": [(0.7, 1.0, 1.5)[i % 3] for i in range(n)],
+            "top_k": [(0, 1, 5)[i // 3 % 3] for i in range(n)]}
+
+
+def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_check, exported, tmp_path):
+    """The signatures with more inputs than text (sample: seed int64, temperature float32, top_k int32; prefix
+    and score: a second string) and with 2-D int32 and string outputs (align): the C++ loader, fed every input
+    with the dtype its signature declares, answers byte for byte as the TF1 Python session does, every output
+    compared, on 10 Multi30k sentences with the hostile inputs (and on an empty batch: sample and prefix here,
+    score and align in the next test); none fails; each output has its documented shape; and run again from 2
+    threads at once, every answer is the same."""
+    texts = multi30k_lines("test_2016_flickr.en", 10) + HOSTILE
+    n = len(texts)
+    german = multi30k_lines("test_2016_flickr.de", 10)
+    prefixes = ["", "Ein Hund", "Eine Frau", "", "Zwei Männer", "Ein", "", "Ein kleines Mädchen", "Ein Mann", ""]
+    prefixes += ["Ein Hund", "", "Eine", b"Ein \xff", "", "Zwei", "Ein", ""]  # one with invalid UTF-8 (replaced)
+    best = run_tf1(exported, [("serving_default", texts)], tmp_path)["runs"][0]
+    best_translations = [base64.b64decode(t) for t in best["translation"]]  # bytes: hostile rows too
+    requests = [
+        ("sample", texts, sampling_inputs(n)),
+        ("sample", [], sampling_inputs(0)),
+        ("prefix", texts, {"prefix": prefixes}),
+        ("prefix", [], {"prefix": []}),
+        # Scoring serving_default's own translations, and arbitrary German (the hostile texts as targets too:
+        # empty, invalid UTF-8, longer than the model's limit).
+        ("score", texts, {"target": best_translations}),
+        ("score", texts, {"target": german + HOSTILE[::-1]}),
+        ("align", texts),
+    ]
+    cpp, concurrent = run_serving_check(serving_check, exported, tmp_path, requests, threads=2)
+    python = run_tf1(exported, requests, tmp_path)["runs"]
+    assert [r["signature"] for r in cpp] == [r[0] for r in requests]
+    for (signature, sent, *_), got, expected in zip(requests, cpp, python):
+        assert "error" not in got, (signature, got["error"])
+        assert outputs(got) == tf1_outputs(expected), (signature, len(sent))
+        batch = len(sent)
+        if signature == "score":
+            assert set(outputs(got)) == {"score", "score_shape", "log_prob", "log_prob_shape", "truncated",
+                                         "truncated_shape"}
+            assert got["score_shape"] == got["log_prob_shape"] == got["truncated_shape"] == [batch]
+        else:
+            assert got["translation_shape"] == got["score_shape"] == got["truncated_shape"] == [batch]
+    assert concurrent["errors"] == [] and concurrent["mismatches"] == []
+
+    sampled, _, prefixed, _, _, _, aligned = cpp
+    assert all(translations(sampled)[:10]) and all(translations(prefixed)[:10])  # real translations, not ""
+    # align: one source piece index per output piece, -1 exactly at the output's padding, and its translation
+    # is serving_default's (the same beam search).
+    batch, length = aligned["alignment_shape"]
+    assert aligned["target_pieces_shape"] == [batch, length] and batch == n
+    assert aligned["source_pieces_shape"][0] == n
+    source_length = aligned["source_pieces_shape"][1]
+    pieces = [bytes.fromhex(p) for p in aligned["target_pieces"]]
+    assert all((i == -1) == (p == b"") and -1 <= i < source_length for i, p in zip(aligned["alignment"], pieces))
+    assert translations(aligned) == best_translations
+
+
+def test_cpp_loader_answers_an_empty_batch_of_score_and_align(serving_check, exported, tmp_path):
+    """A batch of 0 texts, which TF Serving passes on as any other: score and align answer it with outputs of
+    batch 0, without error, and as the Python session does. (They failed before `score_targets` and
+    `align_targets` took sources and targets of length 0, the shapes of an empty batch.)"""
+    requests = [("score", [], {"target": []}), ("align", [])]
+    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
+    assert [r.get("error") for r in cpp] == [None, None]
+    python = run_tf1(exported, requests, tmp_path)["runs"]
+    assert [outputs(r) for r in cpp] == [tf1_outputs(r) for r in python]
+    assert cpp[0]["score_shape"] == cpp[0]["log_prob_shape"] == [0]
+    assert cpp[1]["alignment_shape"][0] == cpp[1]["target_pieces_shape"][0] == cpp[1]["source_pieces_shape"][0] == 0
+
+
+def test_a_refused_request_gets_an_error_answer_and_the_loader_serves_on(serving_check, exported, tmp_path):
+    """A sample request with a temperature of 0 is refused by the graph's own check: the C++ loader answers it
+    with an error that names the temperature, as TF Serving would answer the client, without crashing, and the
+    same session then answers the next requests as the Python session does. A request that feeds an input the
+    signature does not have, a value not of the input's dtype, or no value for an input fails alone too."""
+    texts = multi30k_lines("test_2016_flickr.en", 3)
+    good = sampling_inputs(3)
+    refused = [("sample", texts, {**good, "temperature": [1.0, 0.0, 1.5]}),
+               ("sample", texts, {**good, "beam_size": [4, 4, 4]}),  # not an input of the signature
+               ("sample", texts, {**good, "top_k": [0.5, 1.0, 5.0]}),  # floats for an int32 input
+               ("sample", texts)]  # no seed, temperature, top_k
+    served = [("sample", texts, good), ("greedy", texts), ("prefix", texts, {"prefix": ["Ein"] * 3})]
+    cpp, _ = run_serving_check(serving_check, exported, tmp_path, refused[:1] + served + refused[1:] + served)
+    python = run_tf1(exported, served, tmp_path)["runs"]
+    temperature, errors = cpp[0], cpp[1 + len(served):1 + len(served) + 3]
+    assert "temperature must be > 0" in temperature.get("error", "")
+    assert "beam_size" in errors[0].get("error", "") and "top_k" in errors[1].get("error", "")
+    assert "error" in errors[2]
+    for got in cpp[1:1 + len(served)], cpp[-len(served):]:  # before and after the other refused requests
+        assert [outputs(r) for r in got] == [tf1_outputs(r) for r in python]
 
 
 def test_cpp_loader_runs_the_xla_decoder(serving_check, quick_model_dir, tmp_path):

@@ -10,26 +10,36 @@
 //
 // --requests FILE  runs each request of FILE in turn. FILE holds, per request, a line
 //                  "LABEL SIGNATURE N" and then N lines, the texts in hex (hex keeps every byte:
-//                  empty strings, NUL, invalid UTF-8, and N = 0 is a batch of 0).
+//                  empty strings, NUL, invalid UTF-8, and N = 0 is a batch of 0), fed to the
+//                  signature's "text" input. Then, if the signature has more inputs, a line
+//                  "inputs K" and K inputs, each a line "NAME N" and N lines, its values: fed to the
+//                  signature's input NAME as a [N] tensor of the dtype the signature declares for it
+//                  (string: hex, like the texts; int32, int64: decimal; float: anything strtod reads,
+//                  e.g. Python's float.hex(), exact). A request without the "inputs" line feeds text only.
 // --warmup         first replays the export's warm-up records (labels "warmup:I").
 // --threads N      then runs FILE's requests again from N threads at once (thread T sends requests
 //                  T, T + N, ...) and compares every answer with the sequential one.
 //
 // Output on stdout, one JSON object per line:
 //   {"label": L, "signature": S, "score": [...], "score_shape": [...], "translation": [...], ...}
-//     each output of the signature: strings in hex, floats as their 32 bits in hex (exact), ints as is;
-//   {"label": L, "signature": S, "error": "..."} when Session::Run fails;
+//     each output of the signature, any shape, flattened (row-major) beside its shape: strings in hex,
+//     floats as their 32 bits in hex (exact), ints and bools as they are;
+//   {"label": L, "signature": S, "error": "..."} when Session::Run fails, or an input is not the
+//     signature's or its values do not parse as its dtype (the request fails, not the program);
 //   {"concurrent": {"threads": N, "requests": R, "mismatches": [L...], "errors": [L...], "seconds": T}}.
 // Exit status 0 unless the export or the op libraries cannot be loaded.
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -47,9 +57,17 @@ using tensorflow::Tensor;
 
 namespace {
 
+// An input of a request besides "text", as the requests file has it: its values stay text until the
+// request runs and the signature says what dtype they are.
+struct Input {
+  std::string name;
+  std::vector<std::string> values;  // strings in hex, numbers in decimal (or hex floats)
+};
+
 struct Request {
   std::string label, signature;
-  Tensor text;  // DT_STRING [batch], fed to the signature's "text" input
+  Tensor text;                // DT_STRING [batch], fed to the signature's "text" input
+  std::vector<Input> inputs;  // the signature's other inputs (the requests file's "inputs" section)
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -112,6 +130,9 @@ std::string JsonOutput(const std::string& key, const Tensor& t) {
       case tensorflow::DT_INT32:
         values += std::to_string(t.flat<int32_t>()(i));
         break;
+      case tensorflow::DT_INT64:
+        values += std::to_string(t.flat<int64_t>()(i));
+        break;
       case tensorflow::DT_BOOL:
         values += t.flat<bool>()(i) ? "true" : "false";
         break;
@@ -132,23 +153,113 @@ Tensor Texts(const std::vector<std::string>& texts) {
   return t;
 }
 
+std::vector<std::string> Fields(const std::string& line) {
+  std::istringstream stream(line);
+  std::vector<std::string> fields;
+  for (std::string field; stream >> field;) fields.push_back(field);
+  return fields;
+}
+
+size_t Count(const std::string& field, const std::string& line) {
+  char* end;
+  errno = 0;
+  unsigned long long n = std::strtoull(field.c_str(), &end, 10);
+  if (field.empty() || *end || errno || field[0] == '-') Die("bad count in line \"" + line + "\"");
+  return static_cast<size_t>(n);
+}
+
+// A request is a header "LABEL SIGNATURE N" (3 fields), N text lines, then optionally "inputs K"
+// (2 fields, so never taken for the next header) and K blocks "NAME N" + N value lines.
+// Blank lines between requests are skipped (text and value lines may be blank: "" is 0 hex digits).
 std::vector<Request> ReadRequests(const std::string& path) {
   std::ifstream in(path);
   if (!in) Die("cannot read " + path);
   std::vector<Request> requests;
-  std::string label, signature;
-  size_t n;
-  while (in >> label >> signature >> n) {
-    std::string line;
-    std::getline(in, line);  // the rest of the header line
-    std::vector<std::string> texts(n);
-    for (auto& text : texts) {
-      if (!std::getline(in, line)) Die("truncated request " + label);
-      text = Unhex(line);
+  std::string line;
+  auto next_line = [&](const std::string& label) -> const std::string& {
+    if (!std::getline(in, line)) Die("truncated request " + label);
+    return line;
+  };
+  bool more = static_cast<bool>(std::getline(in, line));
+  while (more) {
+    std::vector<std::string> header = Fields(line);
+    if (header.empty()) {
+      more = static_cast<bool>(std::getline(in, line));
+      continue;
     }
-    requests.push_back({label, signature, Texts(texts)});
+    if (header.size() != 3) Die("bad request header \"" + line + "\"");
+    Request request{header[0], header[1], Tensor(), {}};
+    std::vector<std::string> texts(Count(header[2], line));
+    for (auto& text : texts) text = Unhex(next_line(request.label));
+    request.text = Texts(texts);
+    more = static_cast<bool>(std::getline(in, line));
+    std::vector<std::string> fields = more ? Fields(line) : std::vector<std::string>();
+    if (fields.size() == 2 && fields[0] == "inputs") {
+      size_t k = Count(fields[1], line);
+      for (size_t j = 0; j < k; ++j) {
+        std::vector<std::string> spec = Fields(next_line(request.label));
+        if (spec.size() != 2) Die("bad input header \"" + line + "\" in request " + request.label);
+        Input input{spec[0], std::vector<std::string>(Count(spec[1], line))};
+        for (auto& value : input.values) value = next_line(request.label);
+        request.inputs.push_back(std::move(input));
+      }
+      more = static_cast<bool>(std::getline(in, line));
+    }
+    requests.push_back(std::move(request));
   }
   return requests;
+}
+
+bool ParseInt(const std::string& s, int64_t low, int64_t high, int64_t* value) {
+  char* end;
+  errno = 0;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end || errno || v < low || v > high) return false;
+  *value = v;
+  return true;
+}
+
+// The values of `input` as a [N] tensor of `dtype`, the dtype the signature declares for it; an error
+// message if they are not of it. A float is read as a double and then rounded to float, as numpy
+// converts the Python session's feeds (a decimal rounded straight to float may differ in the last bit).
+std::string TypedInput(const Input& input, tensorflow::DataType dtype, Tensor* tensor) {
+  const int64_t n = static_cast<int64_t>(input.values.size());
+  auto bad = [&](int64_t i) {
+    return "input " + input.name + ": value " + std::to_string(i) + " (\"" + input.values[i] + "\") is not of dtype " +
+           tensorflow::DataTypeString(dtype);
+  };
+  switch (dtype) {
+    case tensorflow::DT_STRING: {
+      *tensor = Tensor(dtype, tensorflow::TensorShape({n}));
+      for (int64_t i = 0; i < n; ++i) tensor->flat<tensorflow::tstring>()(i) = Unhex(input.values[i]);
+      return "";
+    }
+    case tensorflow::DT_INT32:
+    case tensorflow::DT_INT64: {
+      *tensor = Tensor(dtype, tensorflow::TensorShape({n}));
+      const bool is32 = dtype == tensorflow::DT_INT32;
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t v;
+        if (!ParseInt(input.values[i], is32 ? INT32_MIN : INT64_MIN, is32 ? INT32_MAX : INT64_MAX, &v)) return bad(i);
+        if (is32) tensor->flat<int32_t>()(i) = static_cast<int32_t>(v);
+        else tensor->flat<int64_t>()(i) = v;
+      }
+      return "";
+    }
+    case tensorflow::DT_FLOAT: {
+      *tensor = Tensor(dtype, tensorflow::TensorShape({n}));
+      for (int64_t i = 0; i < n; ++i) {
+        const std::string& s = input.values[i];
+        char* end;
+        double v = std::strtod(s.c_str(), &end);
+        if (s.empty() || *end) return bad(i);
+        tensor->flat<float>()(i) = static_cast<float>(v);
+      }
+      return "";
+    }
+    default:
+      return "input " + input.name + ": serving_check does not feed " + tensorflow::DataTypeString(dtype);
+  }
 }
 
 // Warm-up records. TF Serving reads assets.extra/tf_serving_warmup_requests as a TFRecord file of
@@ -248,20 +359,32 @@ std::vector<Request> ReadWarmupRecords(const std::string& path) {
 
 // ------------------------------------------------------------------------------------ serving
 
-// One request through Session::Run, as TF Serving's Predict does: feed the signature's "text" input,
-// fetch all its outputs. Returns the outputs as JSON members (or an "error" member); thread-safe.
+// One request through Session::Run, as TF Serving's Predict does: feed the signature's "text" input and
+// the request's other inputs, fetch all its outputs. Returns the outputs as JSON members (or an "error"
+// member); thread-safe.
 std::string Run(const tensorflow::SavedModelBundle& bundle, const Request& request) {
   const auto& signatures = bundle.meta_graph_def.signature_def();
   auto it = signatures.find(request.signature);
   if (it == signatures.end()) return "\"error\": " + JsonString("no signature " + request.signature);
   auto input = it->second.inputs().find("text");
   if (input == it->second.inputs().end()) return "\"error\": \"the signature has no text input\"";
+  std::vector<std::pair<std::string, Tensor>> feeds = {{input->second.name(), request.text}};
+  for (const auto& extra : request.inputs) {
+    if (extra.name == "text") return "\"error\": \"text is fed from the request's texts, not from its inputs\"";
+    auto info = it->second.inputs().find(extra.name);
+    if (info == it->second.inputs().end())
+      return "\"error\": " + JsonString("the signature has no input " + extra.name);
+    Tensor tensor;
+    std::string error = TypedInput(extra, info->second.dtype(), &tensor);
+    if (!error.empty()) return "\"error\": " + JsonString(error);
+    feeds.emplace_back(info->second.name(), std::move(tensor));
+  }
   std::vector<std::string> keys, names;
   for (const auto& [key, info] : it->second.outputs()) keys.push_back(key);
   std::sort(keys.begin(), keys.end());  // a protobuf map has no order
   for (const auto& key : keys) names.push_back(it->second.outputs().at(key).name());
   std::vector<Tensor> outputs;
-  Status s = bundle.session->Run({{input->second.name(), request.text}}, names, {}, &outputs);
+  Status s = bundle.session->Run(feeds, names, {}, &outputs);
   if (!s.ok()) return "\"error\": " + JsonString(s.ToString());
   std::string json;
   for (size_t i = 0; i < keys.size(); ++i) json += (i ? ", " : "") + JsonOutput(keys[i], outputs[i]);

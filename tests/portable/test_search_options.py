@@ -220,3 +220,12 @@ def test_alignments_name_one_source_piece_per_output_token(copy_model):
     empty = np.zeros_like(source[:1])
     empty[0, 0] = END
     assert (to_numpy(kt.align_targets(copy_model, empty, tokens[:1], START, END)) == -1).all()
+
+
+def test_scoring_and_alignment_answer_an_empty_batch(copy_model):
+    """A batch of 0 sources and targets of length 0 (what an empty request becomes): empty answers, no error."""
+    empty = np.zeros((0, 0), "int32")
+    scores, log_prob, token_log_probs = jit(lambda s, t: kt.score_targets(copy_model, s, t, START))(empty, empty)
+    assert tuple(scores.shape) == tuple(log_prob.shape) == (0,) and tuple(token_log_probs.shape) == (0, 0)
+    alignment = jit(lambda s, t: kt.align_targets(copy_model, s, t, START, END))(empty, np.zeros((0, 3), "int32"))
+    assert tuple(alignment.shape) == (0, 3)
