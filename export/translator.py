@@ -88,6 +88,7 @@ tracks exactly the variables its concrete functions capture (what
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -97,9 +98,9 @@ import tensorflow as tf
 
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
+from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
 from keras_transformer.decoding import Sampling
 from keras_transformer.hardware import native_bf16_flags
-from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
 from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
 
@@ -273,8 +274,9 @@ class Translator(tf.Module):
         self.xla_max_batch = int(xla_max_batch)
         if self.xla_max_batch:
             xla_model = model if xla_model is None else xla_model
-            self._xla_beam = tf.function(lambda source: self._beam(source, xla_model), jit_compile=True)
-            self._xla_greedy = tf.function(lambda source: self._greedy(source, xla_model), jit_compile=True)
+            self._xla_beam = tf.function(lambda source: self._search(source, xla_model), jit_compile=True)
+            self._xla_greedy = tf.function(lambda source: self._search(source, xla_model, greedy=True),
+                                           jit_compile=True)
 
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
         self.translate = tf.function(self._translate_beam, input_signature=text_spec)
@@ -333,39 +335,23 @@ class Translator(tf.Module):
             return tf.zeros([pieces.nrows()], tf.bool)
         return pieces.row_lengths() > self.max_source_length - 1
 
-    def _beam(self, source_ids, model=None):
+    def _search(self, source_ids, model=None, *, greedy=False, n_best=None, **row_options):
+        """Beam search of `source_ids` `[batch, len]` with the export's beam size, alpha and cache (`greedy`:
+        greedy decoding), in `parallel_loops` loops; `n_best` as `beam_search`'s. `row_options`:
+        `prefix_ids` `[batch, prefix_len]` or `sampling` (a `Sampling` of `[batch]` tensors), split into
+        the loops with their rows. Returns tokens and scores as `parallel_decode`."""
         model = self._model() if model is None else model
-        return parallel_decode(
-            lambda ids: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
-                                    use_cache=self.use_cache),
-            source_ids, self.parallel_loops)
+        if greedy:
+            search = functools.partial(greedy_decode, model, start_id=START_ID, end_id=END_ID)
+        else:
+            search = functools.partial(beam_search, model, start_id=START_ID, end_id=END_ID,
+                                       beam_size=self.beam_size, n_best=n_best)
 
-    def _n_best(self, source_ids):
-        model = self._model()
-        return parallel_decode(
-            lambda ids: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
-                                    use_cache=self.use_cache, n_best=self.beam_size),
-            source_ids, self.parallel_loops)
+        def decode(ids, *rows):
+            options = tf.nest.pack_sequence_as(row_options, list(rows))
+            return search(ids, alpha=self.alpha, use_cache=self.use_cache, **options)
 
-    def _prefixed(self, source_ids, prefix_ids):
-        model = self._model()
-        return parallel_decode(
-            lambda ids, prefix: beam_search(model, ids, START_ID, END_ID, beam_size=self.beam_size, alpha=self.alpha,
-                                            use_cache=self.use_cache, prefix_ids=prefix),
-            source_ids, self.parallel_loops, prefix_ids)
-
-    def _sampled(self, source_ids, sampling):
-        model = self._model()
-        return parallel_decode(
-            lambda ids, *settings: greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha,
-                                                 use_cache=self.use_cache, sampling=Sampling(*settings)),
-            source_ids, self.parallel_loops, *sampling)
-
-    def _greedy(self, source_ids, model=None):
-        model = self._model() if model is None else model
-        return parallel_decode(
-            lambda ids: greedy_decode(model, ids, START_ID, END_ID, alpha=self.alpha, use_cache=self.use_cache),
-            source_ids, self.parallel_loops)
+        return parallel_decode(decode, source_ids, self.parallel_loops, *tf.nest.flatten(row_options))
 
     def _decode(self, source, decode, xla_decode):
         """`decode(source)`, or for a batch of 1 to `xla_max_batch` sentences `xla_decode` on the source
@@ -401,7 +387,7 @@ class Translator(tf.Module):
     def _translate_n_best(self, text):
         tokenized = self._tokenize(text)
         source = tokenized["source_ids"]
-        tokens, scores = self._n_best(source)  # [batch, n, length], [batch, n]
+        tokens, scores = self._search(source, n_best=self.beam_size)  # [batch, n, length], [batch, n]
         batch, n, length = tf.shape(tokens)[0], self.beam_size, tf.shape(tokens)[2]  # no -1: batch may be 0
         texts = tf.reshape(decode_output(self.tokenizer, tf.reshape(tokens, [batch * n, length])), [batch, n])
         empty = _nothing_to_translate(source)[:, None]
@@ -412,12 +398,12 @@ class Translator(tf.Module):
         tf.debugging.assert_greater(temperature, 0.0, message="sample: every temperature must be > 0 "
                                     "(top_k 1 is greedy decoding)")
         # A seed is any int64; the hash reads its low 32 bits.
-        sampling = (tf.cast(seed, tf.int32), temperature, top_k)
-        return self._translate_text(text, lambda source: self._sampled(source, sampling))
+        sampling = Sampling(tf.cast(seed, tf.int32), temperature, top_k)
+        return self._translate_text(text, lambda source: self._search(source, greedy=True, sampling=sampling))
 
     def _translate_prefixed(self, text, prefix):
         prefix_ids = tf.cast(self._pieces(prefix).to_tensor(PAD_ID), tf.int32)
-        return self._translate_text(text, lambda source: self._prefixed(source, prefix_ids))
+        return self._translate_text(text, lambda source: self._search(source, prefix_ids=prefix_ids))
 
     def _translate_aligned(self, text):
         def alignment(source, tokens, empty):
@@ -426,7 +412,7 @@ class Translator(tf.Module):
                     "source_pieces": self._piece_strings(source, tf.zeros_like(empty)),
                     "target_pieces": self._piece_strings(tokens, empty)}
 
-        return self._translate_text(text, self._beam, extra=alignment)
+        return self._translate_text(text, self._search, extra=alignment)
 
     def _piece_strings(self, ids, empty):
         """Ids `[batch, length]` -> their pieces, "" at padding and in the rows `empty` `[batch]`."""
@@ -443,16 +429,17 @@ class Translator(tf.Module):
                 "truncated": tokenized["truncated"] | self._truncated(target_pieces)}
 
     def _translate_beam(self, text):
-        return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
+        return self._translate_text(text, self._search, self._xla_beam if self.xla_max_batch else None)
 
     def _translate_greedy(self, text):
-        return self._translate_text(text, self._greedy, self._xla_greedy if self.xla_max_batch else None)
+        return self._translate_text(text, functools.partial(self._search, greedy=True),
+                                    self._xla_greedy if self.xla_max_batch else None)
 
     def _translate_ids(self, source_ids):
         # The same source the text signatures decode: pieces truncated to the limit, then one end id.
         pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
         source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
-        tokens, scores = self._beam(source)
+        tokens, scores = self._search(source)
         return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1]),
                 "truncated": self._truncated(pieces)}
 

@@ -271,6 +271,15 @@ def copy_sources(seed, n):
     return copy_task(np.random.default_rng(seed), n)[0][0]
 
 
+def copy_prefixes(seed, batch, width=3):
+    """Target prefixes `[batch, width]` of 0 to `width` copy-task tokens each (never 0), 0-padded."""
+    rng = np.random.default_rng(seed)
+    prefix = np.zeros((batch, width), "int32")
+    for row, n in enumerate(rng.integers(0, width + 1, batch)):
+        prefix[row, :n] = rng.integers(4, 16, n)
+    return prefix
+
+
 def random_model(seed, vocab=24, **kwargs):
     """A tiny model with random weights of scale 0.5: it spreads its probability, so beams really differ."""
     model = kt.Transformer.from_preset("tiny", vocab_size=vocab, dropout=0.0, **kwargs)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised_log_probs, copy_sources,
+from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised_log_probs, copy_prefixes, copy_sources,
                       multi30k_lines, needs_multi30k, never_ending_model,
                       random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from export import search, step
@@ -77,22 +77,13 @@ def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
     np.testing.assert_array_equal(tokens[:, 0, :best.shape[1]], np.asarray(best))
 
 
-def _prefixes(seed, batch, width=3):
-    """Target prefixes `[batch, width]` of 0 to `width` copy-task tokens each, 0-padded."""
-    rng = np.random.default_rng(seed)
-    prefix = np.zeros((batch, width), "int32")
-    for row, n in enumerate(rng.integers(0, width + 1, batch)):
-        prefix[row, :n] = rng.integers(4, 16, n)
-    return prefix
-
-
 def test_the_engines_prefixed_beam_search_is_the_librarys(copy_model):
     """A target prefix per sentence: the same tokens and scores, in one loop and in two (sentences leave the batch
     with their prefix), the cache and no cache."""
     source = copy_sources(23, 32)
     source[::4, 3:] = 0
     source[::4, 3] = END
-    prefix = _prefixes(0, 32)
+    prefix = copy_prefixes(0, 32)
     library_tokens, library_scores = tf.function(
         lambda s, p: kt.beam_search(copy_model, s, START, END, beam_size=4, prefix_ids=p))(source, prefix)
     for loops, use_cache in ((1, True), (2, True), (1, False)):

@@ -10,12 +10,12 @@ import shutil
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 from sacrebleu.metrics import BLEU
 
 import keras_transformer as kt
 from export.tokenizer import decode_output, encode_source
+from export.translate import translate_lines
 from keras_transformer.text import END_ID, START_ID
 from training.errors import BackupError
 from training.keras_internals import BackupAndRestoreState
@@ -194,20 +194,17 @@ class ValidationBLEU(keras.callbacks.Callback):
         self._decode = None
 
     def translate(self) -> list[str]:
-        """The model's greedy translations of the sources, in their order."""
+        """The model's greedy translations of the sources, in their order (a blank source gives "")."""
         if self._decode is None:
             model = self.model
-            self._decode = tf.function(lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID)[0],
+            self._decode = tf.function(lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID),
                                        reduce_retracing=True)
-        order = np.argsort([len(s) for s in self.sources], kind="stable")
-        hypotheses = [""] * len(self.sources)
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            ids = encode_source(self.tokenizer, tf.constant([self.sources[i] for i in rows]), self.max_length)
-            texts = decode_output(self.tokenizer, self._decode(ids.to_tensor()))
-            for i, text in zip(rows, texts.numpy().tolist()):
-                hypotheses[i] = text.decode("utf-8", errors="replace")
-        return hypotheses
+        return translate_lines(self._translate_batch, self.sources, self.batch_size).texts
+
+    def _translate_batch(self, sources):
+        tokens, scores = self._decode(encode_source(self.tokenizer, tf.constant(sources), self.max_length).to_tensor())
+        texts = decode_output(self.tokenizer, tokens).numpy().tolist()
+        return [text.decode("utf-8", errors="replace") for text in texts], scores.numpy().tolist()
 
     def on_epoch_end(self, epoch, logs=None):
         t0 = time.time()

@@ -8,7 +8,8 @@ import pytest
 from keras import ops
 
 import keras_transformer as kt
-from conftest import a_sentence_and_a_batch_holding_it, copy_sources, never_ending_model, random_model, trimmed
+from conftest import (a_sentence_and_a_batch_holding_it, copy_prefixes, copy_sources, never_ending_model, random_model,
+                      trimmed)
 from keras_transformer.counter_noise import hash32, uniform_noise
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
@@ -112,11 +113,8 @@ def test_sampling_rejects_a_temperature_of_zero_and_a_negative_top_k(copy_model)
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_a_prefix_is_honoured_scored_and_an_empty_one_changes_nothing(copy_model, decode):
     source = copy_sources(12, 16)
-    rng = np.random.default_rng(0)
-    prefix = np.zeros((16, 3), "int32")
-    lengths = rng.integers(0, 4, 16)
-    for i, n in enumerate(lengths):
-        prefix[i, :n] = rng.integers(4, 16, n)
+    prefix = copy_prefixes(0, 16)
+    lengths = (prefix != 0).sum(axis=1)
     if decode == "greedy":
         run = jit(lambda s, p: kt.greedy_decode(copy_model, s, START, END, prefix_ids=p))
         plain = jit(lambda s: kt.greedy_decode(copy_model, s, START, END))
