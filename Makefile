@@ -92,12 +92,13 @@ plots: venv
 	$(PY) -m training.plots attention --model-dir $(RUN) --source "$(SOURCE)" --out docs/images/attention.png
 
 # Peers for bench/peers_throughput.py (torch, keras-hub) and bench/ctranslate2_side_by_side.py (ctranslate2;
-# sacrebleu and sentencepiece come with -e ".[tensorflow]"), kept out of the project's own venv.
+# sacrebleu and sentencepiece come with -e ".[tensorflow]"), kept out of the project's own venv. torch from the
+# CPU wheel in /opt/wheels where there is one: from PyPI, torch brings several GB of CUDA packages.
 BENCH_VENV := .venv-bench
 
 $(BENCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/pip install --quiet "$(or $(TORCH_WHEEL),torch==2.13.0)"
 	$(BENCH_VENV)/bin/pip install --quiet -e ".[tensorflow]" keras-hub ctranslate2==4.8.5
 	touch $@
 

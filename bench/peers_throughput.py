@@ -8,8 +8,7 @@
 
 Needs a separate virtualenv with the peers (they are not project dependencies):
 
-    python3 -m venv .venv-bench && .venv-bench/bin/pip install torch==2.13.0 \\
-        && .venv-bench/bin/pip install -e . keras-hub                              # or: make bench-venv
+    make bench-venv    # torch from /opt/wheels' CPU wheel (PyPI's brings CUDA), keras-hub, ctranslate2
 
 What is measured, for each framework x preset (small, base) x precision (fp32,
 bf16), on the same synthetic batches (`--tokens-per-batch` target tokens:
