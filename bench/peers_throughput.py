@@ -84,7 +84,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from train_throughput import run_worker  # noqa: E402  (bench/, beside this file)
+from train_throughput import run_worker, worker_env  # noqa: E402  (bench/, beside this file)
 FRAMEWORKS = ["ours", "keras-hub", "torch"]
 # Copied from keras_transformer/model.py PRESETS (not imported: the parent process
 # must not initialize TensorFlow).
@@ -351,8 +351,8 @@ def main(argv=None) -> int:
               flush=True)
         if not args.precisions:
             return 0
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
+    env = worker_env()
+    print(f"TF_ENABLE_ONEDNN_OPTS={env['TF_ENABLE_ONEDNN_OPTS']} in every worker", flush=True)
     common = ["--threads", str(args.threads), "--tokens-per-batch", str(args.tokens_per_batch),
               "--length", str(args.length), "--vocab-size", str(args.vocab_size)]
     t_start = time.time()
@@ -392,8 +392,8 @@ def main(argv=None) -> int:
                            "--framework", framework, "--preset", preset, "--precision", precision,
                            "--warmup", str(warmup), "--steps", str(steps), *common]
                     # A baseline checkout's own packages come first on the path (not this one's install).
-                    worker_env = env if checkout == REPO else dict(env, PYTHONPATH=str(checkout))
-                    out, wall = run_worker(cmd, worker_env, f"{label} {preset} {precision}", cwd=checkout)
+                    checkout_env = env if checkout == REPO else dict(env, PYTHONPATH=str(checkout))
+                    out, wall = run_worker(cmd, checkout_env, f"{label} {preset} {precision}", cwd=checkout)
                     if out is None:
                         continue
                     rounds[label].append(dict(out, wall=wall, median=statistics.median(out["times"])))
@@ -409,6 +409,7 @@ def main(argv=None) -> int:
                 # This checkout's first framework over each contender, round by round (> 1: the first is faster).
                 ratios = [b["median"] / a["median"] for a, b in zip(rounds[first], rounds[label])]
                 r = {"framework": label, "checkout": str(checkout), "version": rounds[label][0]["version"],
+                     "tf_enable_onednn_opts": env["TF_ENABLE_ONEDNN_OPTS"],
                      "preset": preset, "precision": precision,
                      "batch": f"{batch}x{args.length}", "target_tokens_per_step": batch * args.length,
                      "params": rounds[label][0]["params"], "median_step_s": round(median, 4),

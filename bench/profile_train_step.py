@@ -47,7 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from train_throughput import run_worker  # noqa: E402
+from train_throughput import run_worker, worker_env  # noqa: E402
 
 # (category, op-type regex or None, op-name regex or None); the first rule whose
 # given patterns all match (type: fullmatch, name: search) wins. Names are the
@@ -266,8 +266,7 @@ def main(argv=None) -> int:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        env.pop("TF_CONFIG", None)
+        env = worker_env()
         results = []
         for preset in args.presets:
             for precision in args.precisions:

@@ -29,6 +29,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow)
+
+
+def worker_env() -> dict:
+    """The environment of every benchmark worker: TensorFlow's INFO lines off, no TF_CONFIG, and
+    TensorFlow's oneDNN kernels on, as every kt-* command runs (training/__init__.py), for the peers
+    on TensorFlow too; `TF_ENABLE_ONEDNN_OPTS=0` in the caller's environment measures without them."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env.setdefault(ONEDNN_ENV, "1")
+    return env
 
 
 def run_worker(cmd, env, label, cwd=REPO):
@@ -67,7 +79,6 @@ def timed_fit(model, ds, warmup: int, steps: int) -> list:
 
 
 def worker(args) -> dict:
-    sys.path.insert(0, str(REPO))
     from training.distribute import split_cpu
 
     if args.replicas > 1:
@@ -126,8 +137,7 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
 
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
+    env = worker_env()
     results = []
     t_start = time.time()
     for preset in args.presets:

@@ -1,4 +1,5 @@
-"""Configuration precedence, and a mixed-precision run (bf16 compute, float32 weights/logits/loss)."""
+"""Configuration precedence, a mixed-precision run (bf16 compute, float32 weights/logits/loss), and
+TensorFlow's oneDNN kernels in every kt-* command."""
 
 import json
 import math
@@ -223,3 +224,17 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
     # lines on every CPU-only machine.
     assert "config.json not found" in loud.stderr
     assert "oneDNN custom operations" in loud.stderr or "I0000" in loud.stderr, loud.stderr
+
+
+@pytest.mark.parametrize("user_setting, on", [(None, True), ("0", False)])
+def test_commands_turn_onednn_on_unless_the_user_turns_it_off(user_setting, on):
+    """TensorFlow leaves its oneDNN kernels off on AVX2-only CPUs, where training is then far slower
+    (BENCHMARKS.md): a kt-* command turns them on on every CPU, and TF_ENABLE_ONEDNN_OPTS=0 still wins."""
+    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # TensorFlow says at INFO level, as it loads, whether oneDNN is on
+    if user_setting is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = user_setting
+    proc = subprocess.run([sys.executable, "-c", "import training.train"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("oneDNN custom operations are on" in proc.stderr) == on, proc.stderr[-3000:]
