@@ -35,7 +35,7 @@ from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow)
 
 def worker_env() -> dict:
     """The environment of every benchmark worker: TensorFlow's INFO lines off, no TF_CONFIG, and
-    TensorFlow's oneDNN kernels on, as every kt-* command runs (training/__init__.py), for the peers
+    TensorFlow's oneDNN kernels on, as kt-train runs (training/train.py), for the peers
     on TensorFlow too; `TF_ENABLE_ONEDNN_OPTS=0` in the caller's environment measures without them."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)

@@ -1,5 +1,5 @@
 """Configuration precedence, a mixed-precision run (bf16 compute, float32 weights/logits/loss), and
-TensorFlow's oneDNN kernels in every kt-* command."""
+TensorFlow's oneDNN kernels in kt-train."""
 
 import json
 import math
@@ -227,9 +227,9 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
 
 
 @pytest.mark.parametrize("user_setting, on", [(None, True), ("0", False)])
-def test_commands_turn_onednn_on_unless_the_user_turns_it_off(user_setting, on):
+def test_kt_train_turns_onednn_on_unless_the_user_turns_it_off(user_setting, on):
     """TensorFlow leaves its oneDNN kernels off on AVX2-only CPUs, where training is then far slower
-    (BENCHMARKS.md): a kt-* command turns them on on every CPU, and TF_ENABLE_ONEDNN_OPTS=0 still wins."""
+    (BENCHMARKS.md): kt-train turns them on on every CPU, and TF_ENABLE_ONEDNN_OPTS=0 still wins."""
     env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # TensorFlow says at INFO level, as it loads, whether oneDNN is on
     if user_setting is not None:
