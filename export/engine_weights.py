@@ -3,8 +3,8 @@ the engine computes fastest in.
 
 One mapping, `engine_model`, for every copy the export makes:
 
-- the graph decoder's, in the Keras dtype policy `decode_policy` picks for the CPU ("bfloat16" where it
-  computes bfloat16 natively, else "float32"), whatever policy the model was trained in;
+- the graph decoder's, in the Keras dtype policy `decode_policy` picks (float32 unless bfloat16 is asked
+  for), whatever policy the model was trained in;
 - the XLA decoder's (`kt-export --xla-max-batch`), in float32 with the output projection stored
   `[d_model, vocab]` (`untie_output_projection=True`).
 

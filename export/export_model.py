@@ -114,9 +114,10 @@ def build_parser():
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="what the exported graph decodes in. auto (default): bfloat16 if THIS machine's CPU "
-                        "computes it natively (avx512_bf16/amx_bf16), else float32; pass float32 or bfloat16 "
-                        "when the server's CPU differs. model: the training policy")
+                   help="what the exported graph decodes in. auto (default): float32, the same translation "
+                        "alone or in any batch. bfloat16: faster where the CPU computes it natively "
+                        "(avx512_bf16/amx_bf16), but there a translation may depend on its batch. "
+                        "model: the training policy")
     p.add_argument("--xla-max-batch", type=int, default=0, metavar="N",
                    help="decode batches of at most N sentences with the search compiled by XLA in float32 (2.5x faster at "
                         "batch 1 on CPU; each new input shape compiles once, 2-5 s). The model server must then "

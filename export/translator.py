@@ -166,10 +166,11 @@ PRECISIONS = ("auto", "float32", "bfloat16", "model")
 def decode_policy(precision="auto", flags=None) -> tuple[str | None, str]:
     """(Keras dtype policy to decode in, or None for the model's own; the reason in a few words).
 
-    "auto": bfloat16 where the CPU computes it natively (`flags`: this
-    machine's by default), else float32: the training policy says how the
-    model was trained, not what is fast where it is served. "model": the
-    model's own policy (e.g. mixed_bfloat16 if it was trained so).
+    "auto": float32 on every CPU. bfloat16 decodes faster where the CPU computes it natively (`flags`:
+    this machine's by default), but there a sentence's score, and now and then its translation, depends on
+    the other sentences of its batch (a batch of another size rounds differently; issue 27), so it is only
+    used when asked for ("bfloat16"). "model": the model's own policy (e.g. mixed_bfloat16 if it was
+    trained so).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -179,7 +180,9 @@ def decode_policy(precision="auto", flags=None) -> tuple[str | None, str]:
         return precision, f"{precision} was asked for"
     native = native_bf16_flags(flags)
     if native:
-        return "bfloat16", f"this CPU computes bfloat16 natively ({', '.join(native)})"
+        return "float32", (f"the same translation alone or in any batch; this CPU computes bfloat16 natively "
+                           f"({', '.join(native)}): --precision bfloat16 decodes faster, but a translation may "
+                           f"then depend on its batch")
     return "float32", "this CPU has no native bfloat16 (no avx512_bf16 or amx_bf16), where float32 is faster"
 
 

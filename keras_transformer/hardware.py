@@ -2,8 +2,8 @@
 
 bfloat16 on a CPU without native support is emulated and slower than float32
 (measured 0.84x on an AVX2-only EPYC; about 2x faster with AVX512_BF16 or
-AMX), so training (`kt-train`'s `"mixed_precision": "auto"`) and the exported
-decoder (`kt-export --precision auto`) both read the CPU flags.
+AMX), so training (`kt-train`'s `"mixed_precision": "auto"`) reads the CPU
+flags, and `kt-export` names them when it could decode in bfloat16.
 """
 
 from __future__ import annotations

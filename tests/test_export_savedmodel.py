@@ -259,19 +259,42 @@ def test_kt_translate_cli(exported, tmp_path):
     expected_text = [t.decode("utf-8") for t in expected["translation"].numpy().tolist()]
     got = [row for row in rows if row != ["", ""]]
     assert [t for _, t in got] == expected_text
-    _assert_scores_match_in_any_batch([float(s) for s, _ in got], expected["score"].numpy())
+    # kt-translate's scores (batches of 8) against the signature's over one batch of them all.
+    np.testing.assert_allclose([float(s) for s, _ in got], expected["score"].numpy(), atol=1e-3)
 
 
-def _assert_scores_match_in_any_batch(batched_scores, whole_batch_scores):
-    """kt-translate's scores (batches of 8) against the signature's over one batch of them all."""
-    if decode_policy("auto")[0] == "bfloat16":
-        # Issue 27, item 3: in bfloat16 a sentence's score (and, rarely, its translation) can depend on the
-        # batch it is decoded in; the quick model trained on this code shows it (0.012 on one sentence, the
-        # same with a0afafa's export code). Strict: this fails once bfloat16 decoding is batch-invariant.
-        if not np.allclose(batched_scores, whole_batch_scores, atol=1e-3):
-            pytest.xfail("issue 27: bfloat16 scores depend on the batch")
-        raise AssertionError("bfloat16 scores no longer depend on the batch: drop this xfail (issue 27)")
-    np.testing.assert_allclose(batched_scores, whole_batch_scores, atol=1e-3)
+@pytest.mark.parametrize("signature", ["serving_default", "greedy"])
+def test_a_sentence_translates_the_same_alone_and_among_1_63_or_511_others(exported, signature):
+    """What TF Serving's batching does to a request: its sentences decode among whatever other requests arrived
+    with them. In the precision the default export decodes in (float32, on every CPU: `decode_policy`), each
+    sentence's translation and score alone equal those it gets in batches of 2, 64 and 512."""
+    assert decode_policy("auto")[0] == "float32"
+    val = _lines("val.en", 520)
+    sentences, others = val[:6], val[6:]
+    translate = tf.saved_model.load(str(exported)).signatures[signature]
+
+    def run(texts):
+        out = translate(text=tf.constant(texts))
+        return out["translation"].numpy().tolist(), out["score"].numpy().tolist()
+
+    alone = [run([sentence]) for sentence in sentences]
+    for size in (2, 64, 512):
+        if size == 2:  # each sentence beside another one
+            cases = [([others[i], sentence], [1]) for i, sentence in enumerate(sentences)]
+        else:  # the six among size - 6 others, first, last and between
+            positions = [int(p) for p in np.linspace(0, size - 1, len(sentences))]
+            batch = list(others[:size])
+            for position, sentence in zip(positions, sentences):
+                batch[position] = sentence
+            cases = [(batch, positions)]
+        got = []
+        for batch, positions in cases:
+            translations, scores = run(batch)
+            got += [(translations[p], scores[p]) for p in positions]
+        for i, (translation, score) in enumerate(got):
+            ([alone_translation], [alone_score]) = alone[i]
+            assert translation == alone_translation, (size, sentences[i])
+            assert score == pytest.approx(alone_score, rel=1e-5, abs=1e-6), (size, sentences[i])
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import tensorflow as tf
 import keras_transformer as kt
 from conftest import QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
 from conftest import multi30k_lines, needs_multi30k, run_tf1
-from export import search
 from export.engine_weights import engine_model
 from export.translator import decode_policy, load_model_dir
-from keras_transformer.decoding import Sampling
 from keras_transformer.text import END_ID, START_ID
 
 pytestmark = needs_multi30k
@@ -24,15 +22,12 @@ LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 
 @pytest.fixture(scope="module")
 def reference(quick_model_dir):
-    """The exported model as the export decodes it (its precision here), its tokenizer, and the library's searches
-    on it. In float32 the export must decode what the library decodes; in bfloat16 (a CPU with native bfloat16)
-    the reference is the serving engine in process, whose equality to the library tests/test_engine.py shows."""
+    """The exported model as the export decodes it (float32, `decode_policy("auto")` on every CPU), its tokenizer,
+    and the library's searches on it: in float32 the export must decode what the library decodes."""
     import sentencepiece as spm
 
     loaded, _, config = load_model_dir(quick_model_dir)
-    policy = decode_policy("auto")[0]
-    model = engine_model(loaded, policy)
-    library = policy == "float32"
+    model = engine_model(loaded, decode_policy("auto")[0])
     sp = spm.SentencePieceProcessor(model_file=str(quick_model_dir / "tokenizer.model"))
 
     def padded(rows):
@@ -58,15 +53,11 @@ def reference(quick_model_dir):
 
     @tf.function
     def sample(source, seed, temperature, top_k):
-        if library:
-            return kt.sample_decode(model, source, START_ID, END_ID, seed=seed, temperature=temperature, top_k=top_k)
-        return search.greedy_decode(model, source, START_ID, END_ID, sampling=Sampling(seed, temperature, top_k))
+        return kt.sample_decode(model, source, START_ID, END_ID, seed=seed, temperature=temperature, top_k=top_k)
 
     @tf.function
     def prefixed(source, prefix):
-        if library:
-            return kt.beam_search(model, source, START_ID, END_ID, beam_size=4, prefix_ids=prefix)
-        return search.beam_search(model, source, START_ID, END_ID, beam_size=4, prefix_ids=prefix)
+        return kt.beam_search(model, source, START_ID, END_ID, beam_size=4, prefix_ids=prefix)
 
     return {"model": model, "source_ids": source_ids, "pieces": pieces, "sample": sample, "prefixed": prefixed,
             "detokenize": detokenize, "too_long": too_long}
