@@ -1,0 +1,114 @@
+"""Does a stock-TensorFlow int8 matrix product beat float32 at the shapes of a decoding step, on this CPU?
+
+    .venv/bin/python bench/int8_matmul.py                               # TensorFlow's default oneDNN setting
+    TF_ENABLE_ONEDNN_OPTS=1 .venv/bin/python bench/int8_matmul.py       # oneDNN on (off by default on AVX2 CPUs)
+
+The products of one decoder step of the `small` preset (d_model 256, d_ff 1024, vocabulary 8000) at the
+row counts a search feeds them (`--rows`: 1 = greedy at batch 1, 4 = beam 4 at batch 1, 256 = beam 4 at
+batch 64), each timed four ways inside one `tf.function` (`--repeats` products in a chain, so they cannot
+overlap, on 1 intra-op and 1 inter-op thread, as the export is served):
+
+- `float32`: `tf.matmul` of float32 activations and weights (what the export decodes with);
+- `bfloat16`: the same in bfloat16;
+- `int8 product`: `tf.matmul(int8, int8, output_type=tf.int32)` alone (Keras 3's int8 `Dense` calls
+  this: TensorFlow's `BatchMatMulV3` with an int32 output), the floor of any int8 path;
+- `int8 dense`: what an int8 layer must do around it: quantize the activations per row (abs-max
+  scale, round, cast: the per-row scale keeps a sentence's product independent of its batch), the
+  int8 product, and the float32 rescale by the row and per-channel weight scales (Keras 3's
+  `Dense.quantize("int8")` computes the same).
+
+Prints microseconds per product and int8 dense / float32 (< 1: int8 faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# (name, K, N) of the small preset's decoder-step products.
+SHAPES = [("Q/K/V/O projection", 256, 256), ("feed-forward in", 256, 1024), ("feed-forward out", 1024, 256),
+          ("output projection", 256, 8000)]
+
+
+def quantize_rows(x):
+    """int8 rows and their float32 scales: x ~= q / scale, one scale per row (abs-max)."""
+    scale = 127.0 / tf.maximum(tf.reduce_max(tf.abs(x), axis=-1, keepdims=True), 1e-12)
+    return tf.cast(tf.clip_by_value(tf.round(x * scale), -127.0, 127.0), tf.int8), scale
+
+
+def timed(fn, *args, repeats):
+    """Microseconds per product: the median of 5 calls of `fn` (a chain of `repeats` products), after 2."""
+    for _ in range(2):
+        fn(*args).numpy()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn(*args).numpy()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / repeats * 1e6
+
+
+def chain(product, repeats):
+    """A tf.function applying `product(x)` `repeats` times, each input depending on the last output."""
+
+    @tf.function
+    def run(x):
+        def body(i, x, acc):
+            y = product(x)
+            # The next input depends on this output (a scalar of it), so the products cannot overlap.
+            return i + 1, x + tf.cast(y[0, 0], x.dtype) * 0, acc + tf.cast(y[0, 0], tf.float32)
+
+        return tf.while_loop(lambda i, *_: i < repeats, body, (0, x, 0.0))[2]
+
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 256])
+    p.add_argument("--repeats", type=int, default=200, help="products per timed call")
+    args = p.parse_args(argv)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = next((line.split(":", 1)[1].split() for line in flags.splitlines() if line.startswith("Flags")), [])
+    print(f"TensorFlow {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}, "
+          f"CPU flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx', 'fma')))}")
+    print("| product | rows | float32 (µs) | bfloat16 (µs) | int8 product (µs) | int8 dense (µs) | int8 dense / float32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for name, k, n in SHAPES:
+        w = rng.normal(0, k ** -0.5, (k, n)).astype("float32")
+        w_scale = 127.0 / np.abs(w).max(axis=0)  # per output channel
+        w_q = tf.constant(np.round(w * w_scale).astype("int8"))
+        w_scale = tf.constant(w_scale)
+        w32, w16 = tf.constant(w), tf.constant(w, tf.bfloat16)
+        for rows in args.rows:
+            x = tf.constant(rng.normal(0, 1, (rows, k)).astype("float32"))
+            x_q, _ = quantize_rows(x)
+
+            def int8_dense(x):
+                q, scale = quantize_rows(x)
+                return tf.cast(tf.matmul(q, w_q, output_type=tf.int32), tf.float32) / (scale * w_scale)
+
+            f32 = timed(chain(lambda x: tf.matmul(x, w32), args.repeats), x, repeats=args.repeats)
+            bf16 = timed(chain(lambda x: tf.matmul(x, w16), args.repeats), tf.cast(x, tf.bfloat16),
+                         repeats=args.repeats)
+            i8 = timed(chain(lambda x: tf.matmul(x, w_q, output_type=tf.int32), args.repeats), x_q,
+                       repeats=args.repeats)
+            dense = timed(chain(int8_dense, args.repeats), x, repeats=args.repeats)
+            print(f"| {name} {k}x{n} | {rows} | {f32:.1f} | {bf16:.1f} | {i8:.1f} | {dense:.1f} | {dense / f32:.2f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
