@@ -25,12 +25,17 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training import ONEDNN_ENV  # noqa: E402
 
 # (name, K, N) of the small preset's decoder-step products.
 SHAPES = [("Q/K/V/O projection", 256, 256), ("feed-forward in", 256, 1024), ("feed-forward out", 1024, 256),
@@ -80,7 +85,7 @@ def main(argv=None) -> int:
 
     flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     flags = next((line.split(":", 1)[1].split() for line in flags.splitlines() if line.startswith("Flags")), [])
-    print(f"TensorFlow {tf.__version__}, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}, "
+    print(f"TensorFlow {tf.__version__}, {ONEDNN_ENV}={os.environ.get(ONEDNN_ENV, 'unset')}, "
           f"CPU flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx', 'fma')))}")
     print("| product | rows | float32 (µs) | bfloat16 (µs) | int8 product (µs) | int8 dense (µs) | int8 dense / float32 |")
     print("|---|---:|---:|---:|---:|---:|---:|")

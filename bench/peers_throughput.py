@@ -85,6 +85,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from train_throughput import run_worker, worker_env  # noqa: E402  (bench/, beside this file)
+from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow; train_throughput put the repo on the path)
 FRAMEWORKS = ["ours", "keras-hub", "torch"]
 # Copied from keras_transformer/model.py PRESETS (not imported: the parent process
 # must not initialize TensorFlow).
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
         if not args.precisions:
             return 0
     env = worker_env()
-    print(f"TF_ENABLE_ONEDNN_OPTS={env['TF_ENABLE_ONEDNN_OPTS']} in every worker", flush=True)
+    print(f"{ONEDNN_ENV}={env[ONEDNN_ENV]} in every worker", flush=True)
     common = ["--threads", str(args.threads), "--tokens-per-batch", str(args.tokens_per_batch),
               "--length", str(args.length), "--vocab-size", str(args.vocab_size)]
     t_start = time.time()
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
                 # This checkout's first framework over each contender, round by round (> 1: the first is faster).
                 ratios = [b["median"] / a["median"] for a, b in zip(rounds[first], rounds[label])]
                 r = {"framework": label, "checkout": str(checkout), "version": rounds[label][0]["version"],
-                     "tf_enable_onednn_opts": env["TF_ENABLE_ONEDNN_OPTS"],
+                     ONEDNN_ENV.lower(): env[ONEDNN_ENV],
                      "preset": preset, "precision": precision,
                      "batch": f"{batch}x{args.length}", "target_tokens_per_step": batch * args.length,
                      "params": rounds[label][0]["params"], "median_step_s": round(median, 4),

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import MULTI30K, REPO, SUBPROCESS_ENV, needs_multi30k
+from training import ONEDNN_ENV
 from training.config import DEFAULTS, resolve_config
 
 
@@ -230,10 +231,10 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
 def test_kt_train_turns_onednn_on_unless_the_user_turns_it_off(user_setting, on):
     """TensorFlow leaves its oneDNN kernels off on AVX2-only CPUs, where training is then far slower
     (BENCHMARKS.md): kt-train turns them on on every CPU, and TF_ENABLE_ONEDNN_OPTS=0 still wins."""
-    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != ONEDNN_ENV}
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"  # TensorFlow says at INFO level, as it loads, whether oneDNN is on
     if user_setting is not None:
-        env["TF_ENABLE_ONEDNN_OPTS"] = user_setting
+        env[ONEDNN_ENV] = user_setting
     proc = subprocess.run([sys.executable, "-c", "import training.train"], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
