@@ -55,7 +55,8 @@ class DecoderLayer(TransformerLayerBase):
     of a decoder-only (GPT-style) language model.
 
     Args:
-        d_model, num_heads, d_ff, dropout, norm_first: as in `EncoderLayer`.
+        d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
+            activation_dropout: as in `EncoderLayer`.
         use_cross_attention: attend to an encoder output (the paper's
             decoder). False for a decoder-only model: the layer is then
             called without `encoder_output`. Fixed at construction (and saved
@@ -104,16 +105,20 @@ class DecoderLayer(TransformerLayerBase):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.use_cross_attention = use_cross_attention
         key_dim = head_size(d_model, num_heads)
-        self.self_attention = MultiHeadAttention(num_heads, key_dim, dtype=self.dtype_policy, name="self_attention")
+        self.self_attention = MultiHeadAttention(
+            num_heads, key_dim, dropout=self.attention_dropout, dtype=self.dtype_policy, name="self_attention"
+        )
         self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         # Same attributes as before the option: a .keras file stores the weights under these names.
         self.cross_attention = self.cross_attention_norm = None
         if use_cross_attention:
             self.cross_attention = MultiHeadAttention(
-                num_heads, key_dim, dtype=self.dtype_policy, name="cross_attention"
+                num_heads, key_dim, dropout=self.attention_dropout, dtype=self.dtype_policy, name="cross_attention"
             )
             self.cross_attention_norm = layer_norm(self.dtype_policy, "cross_attention_norm")
-        self.feed_forward = FeedForward(d_model, d_ff, dtype=self.dtype_policy, name="feed_forward")
+        self.feed_forward = FeedForward(
+            d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
+        )
         self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
 
@@ -159,7 +164,7 @@ class DecoderLayer(TransformerLayerBase):
 
         residual = x
         x = norm_before(x, self.feed_forward_norm, self.norm_first)
-        x = self.feed_forward(x)
+        x = self.feed_forward(x, training=training)
         x = add_and_norm_after(residual, x, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
         if self_attention_cache is not None:
             return x, self_attention_cache
@@ -218,8 +223,8 @@ class Decoder(TransformerStackBase):
 
     Args:
         num_layers: N (6 in the paper).
-        d_model, num_heads, d_ff, dropout, norm_first, use_cross_attention:
-            as in `DecoderLayer`.
+        d_model, num_heads, d_ff, dropout, norm_first, use_cross_attention,
+            attention_dropout, activation_dropout: as in `DecoderLayer`.
 
     Shapes:
         call(x `[batch, target_len, d_model]`, encoder_output

@@ -19,6 +19,10 @@ class EncoderLayer(TransformerLayerBase):
         d_ff: feed-forward inner width.
         dropout: residual dropout rate (P_drop).
         norm_first: pre-norm instead of the paper's post-norm.
+        attention_dropout: dropout on the attention weights in training
+            (keyword only; not in the paper, 0 by default).
+        activation_dropout: dropout on the feed-forward's inner activations
+            in training (keyword only; not in the paper, 0 by default).
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`
@@ -45,10 +49,13 @@ class EncoderLayer(TransformerLayerBase):
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.self_attention = MultiHeadAttention(
-            num_heads, head_size(d_model, num_heads), dtype=self.dtype_policy, name="self_attention"
+            num_heads, head_size(d_model, num_heads), dropout=self.attention_dropout, dtype=self.dtype_policy,
+            name="self_attention"
         )
         self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
-        self.feed_forward = FeedForward(d_model, d_ff, dtype=self.dtype_policy, name="feed_forward")
+        self.feed_forward = FeedForward(
+            d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
+        )
         self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
 
@@ -73,7 +80,7 @@ class EncoderLayer(TransformerLayerBase):
 
         residual = x
         x = norm_before(x, self.feed_forward_norm, self.norm_first)
-        x = self.feed_forward(x)
+        x = self.feed_forward(x, training=training)
         x = add_and_norm_after(residual, x, self.feed_forward_norm, self.dropout_layer, self.norm_first, training)
         return (x, scores) if return_attention_scores else x
 
@@ -91,7 +98,8 @@ class Encoder(TransformerStackBase):
 
     Args:
         num_layers: N (6 in the paper).
-        d_model, num_heads, d_ff, dropout, norm_first: as in `EncoderLayer`.
+        d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
+            activation_dropout: as in `EncoderLayer`.
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`)

@@ -13,6 +13,9 @@ class FeedForward(keras.layers.Layer):
     Args:
         d_model: input and output width.
         d_ff: inner width (2048 in the base model).
+        dropout: dropout on the inner activations max(0, x W_1 + b_1) in
+            training (fairseq's "activation dropout"; not in the paper, 0 by
+            default).
 
     Shapes:
         `[batch, length, d_model]` -> `[batch, length, d_model]`.
@@ -25,10 +28,12 @@ class FeedForward(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, d_model, d_ff, **kwargs):
+    def __init__(self, d_model, d_ff, dropout=0.0, **kwargs):
         super().__init__(**kwargs)
         self.d_model = d_model
         self.d_ff = d_ff
+        self.dropout = dropout
+        self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy) if dropout > 0.0 else None
         self.inner = keras.layers.Dense(d_ff, activation="relu", dtype=self.dtype_policy, name="inner")
         self.outer = keras.layers.Dense(d_model, dtype=self.dtype_policy, name="outer")
         self.supports_masking = True
@@ -38,16 +43,19 @@ class FeedForward(keras.layers.Layer):
         self.outer.build((*input_shape[:-1], self.d_ff))
         self.built = True
 
-    def call(self, x):
+    def call(self, x, training=None):
         if not (is_plain(self.inner) and is_plain(self.outer)):
-            return self.outer(self.inner(x))
+            return self.outer(self._dropped(self.inner(x), training))
         # Two 2-D matmuls on [batch * length, d_model]: one weight gradient each, where Keras' Dense on a
         # 3-D input (a tensordot) computes it per sentence and sums it.
-        y = ops.relu(matmul_2d(ops.reshape(x, (-1, self.d_model)), self.inner))
+        y = self._dropped(ops.relu(matmul_2d(ops.reshape(x, (-1, self.d_model)), self.inner)), training)
         return ops.reshape(matmul_2d(y, self.outer), batch_and_length(x) + (self.d_model,))
+
+    def _dropped(self, y, training):
+        return y if self.dropout_layer is None else self.dropout_layer(y, training=training)
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def get_config(self):
-        return {**super().get_config(), "d_model": self.d_model, "d_ff": self.d_ff}
+        return {**super().get_config(), "d_model": self.d_model, "d_ff": self.d_ff, "dropout": self.dropout}

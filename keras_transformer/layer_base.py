@@ -6,18 +6,26 @@ from keras_transformer.residual import layer_norm
 
 
 class TransformerLayerBase(keras.layers.Layer):
-    """Holds d_model, num_heads, d_ff, dropout (P_drop) and norm_first (see `EncoderLayer` for their meaning).
+    """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout and activation_dropout
+    (see `EncoderLayer` for their meaning).
 
     Output shape = the shape of the first input (every sub-layer keeps `[batch, length, d_model]`).
     """
 
-    def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
+    def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, *, attention_dropout=0.0,
+                 activation_dropout=0.0, **kwargs):
         super().__init__(**kwargs)
+        for name, rate in (("dropout", dropout), ("attention_dropout", attention_dropout),
+                           ("activation_dropout", activation_dropout)):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{type(self).__name__}: {name} must be in [0, 1), got {rate!r}.")
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_ff = d_ff
         self.dropout = dropout
         self.norm_first = norm_first
+        self.attention_dropout = attention_dropout
+        self.activation_dropout = activation_dropout
         self.supports_masking = True
 
     def compute_output_shape(self, x_shape, *args, **kwargs):
@@ -31,6 +39,8 @@ class TransformerLayerBase(keras.layers.Layer):
             "d_ff": self.d_ff,
             "dropout": self.dropout,
             "norm_first": self.norm_first,
+            "attention_dropout": self.attention_dropout,
+            "activation_dropout": self.activation_dropout,
         }
 
 
@@ -45,6 +55,7 @@ class TransformerStackBase(TransformerLayerBase):
         """N `layer_class` layers with this stack's settings, named layer_0 ... layer_{N-1}."""
         return [
             layer_class(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
+                        attention_dropout=self.attention_dropout, activation_dropout=self.activation_dropout,
                         dtype=self.dtype_policy, name=f"layer_{i}", **kwargs)
             for i in range(self.num_layers)
         ]

@@ -57,6 +57,10 @@ class Transformer(keras.Model):
         max_length: number of learned positions, required with
             `learned_positions`: sources and decoder inputs may have at most
             `max_length` tokens, and decoding stops its outputs there.
+        attention_dropout: dropout on every attention's weights in training
+            (not in the paper; 0 by default).
+        activation_dropout: dropout on the feed-forward's inner activations
+            in training (not in the paper; 0 by default).
 
     Shapes:
         call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
@@ -91,6 +95,8 @@ class Transformer(keras.Model):
         tie_output_embedding=True,
         learned_positions=False,
         max_length=None,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -116,6 +122,8 @@ class Transformer(keras.Model):
         self.tie_output_embedding = tie_output_embedding
         self.learned_positions = learned_positions
         self.max_length = max_length
+        self.attention_dropout = attention_dropout
+        self.activation_dropout = activation_dropout
 
         def embedding(size, name):
             return PositionalEmbedding(
@@ -130,7 +138,7 @@ class Transformer(keras.Model):
             self.target_embedding = embedding(target_vocab_size, "target_embedding")
         layer_args = dict(
             d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first,
-            dtype=self.dtype_policy,
+            attention_dropout=attention_dropout, activation_dropout=activation_dropout, dtype=self.dtype_policy,
         )
         self.encoder = Encoder(num_encoder_layers, name="encoder", **layer_args)
         self.decoder = Decoder(num_decoder_layers, name="decoder", **layer_args)
@@ -326,4 +334,6 @@ class Transformer(keras.Model):
             "tie_output_embedding": self.tie_output_embedding,
             "learned_positions": self.learned_positions,
             "max_length": self.max_length,
+            "attention_dropout": self.attention_dropout,
+            "activation_dropout": self.activation_dropout,
         }

@@ -6,11 +6,13 @@ from keras import ops
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5).
+    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5).
 
     Linear warm-up for `warmup_steps`, then decay with the inverse square root
     of the step. `step` is the optimizer's iteration count, as Keras passes
-    it; at step 0 the rate is 0.
+    it; at step 0 the rate is 0. The paper's schedule has `scale` 1; another
+    scale multiplies the whole curve, as OpenNMT-tf's `NoamDecay` does (its
+    peak, at `warmup_steps`, is `scale * (d_model * warmup_steps)^-0.5`).
 
     Example:
 
@@ -19,18 +21,21 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     ```
     """
 
-    def __init__(self, d_model, warmup_steps=4000):
+    def __init__(self, d_model, warmup_steps=4000, scale=1.0):
+        if scale <= 0:
+            raise ValueError(f"TransformerSchedule: scale must be positive, got {scale!r}.")
         self.d_model = d_model
         self.warmup_steps = warmup_steps
+        self.scale = scale
 
     def __call__(self, step):
         step = ops.cast(step, "float32")
         decay = ops.rsqrt(ops.maximum(step, 1.0))
         warmup = step * float(self.warmup_steps) ** -1.5
-        return float(self.d_model) ** -0.5 * ops.minimum(decay, warmup)
+        return float(self.scale) * float(self.d_model) ** -0.5 * ops.minimum(decay, warmup)
 
     def get_config(self):
-        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps}
+        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -44,15 +49,15 @@ class PaperAdam(keras.optimizers.Adam):
     """
 
 
-def paper_adam(d_model, warmup_steps=4000, **kwargs):
+def paper_adam(d_model, warmup_steps=4000, scale=1.0, **kwargs):
     """Adam with the paper's settings (section 5.3): beta_1 0.9, beta_2 0.98,
-    epsilon 1e-9, and `TransformerSchedule(d_model, warmup_steps)`.
+    epsilon 1e-9, and `TransformerSchedule(d_model, warmup_steps, scale)`.
 
     Other keyword arguments go to `keras.optimizers.Adam`, e.g.
     `gradient_accumulation_steps=4` or `clipnorm=1.0`. Returns a `PaperAdam`.
     """
     return PaperAdam(
-        learning_rate=TransformerSchedule(d_model, warmup_steps),
+        learning_rate=TransformerSchedule(d_model, warmup_steps, scale),
         beta_1=0.9,
         beta_2=0.98,
         epsilon=1e-9,

@@ -30,6 +30,18 @@ def test_config_precedence(tmp_path):
         resolve_config(["--config", str(f)])
 
 
+@pytest.mark.parametrize("argv,scale", [([], 1.0), (["--learning-rate-scale", "2.5"], 2.5)])
+def test_the_learning_rate_scale_reaches_the_optimizers_schedule(argv, scale):
+    import keras_transformer as kt
+    from training.fit import compile_model
+
+    cfg = resolve_config(["--preset", "tiny", "--warmup-steps", "200", *argv])
+    model = kt.Transformer.from_preset("tiny", vocab_size=40)
+    compile_model(model, cfg)
+    schedule = model.optimizer.get_config()["learning_rate"]["config"]
+    assert schedule == {"d_model": 32, "warmup_steps": 200, "scale": scale}
+
+
 @needs_multi30k
 def test_mixed_precision_training(tmp_path):
     import keras

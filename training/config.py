@@ -38,6 +38,7 @@ DEFAULTS = {
     "tokens_per_batch": 4096,
     "max_length": 128,
     "warmup_steps": 4000,
+    "learning_rate_scale": 1.0,
     "label_smoothing": 0.1,
     "epochs": 10,
     "max_minutes": None,
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-minutes", type=float,
                    help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
     g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
+    g.add_argument("--learning-rate-scale", type=float,
+                   help="multiply the paper's learning-rate curve by this (default 1; OpenNMT-tf's NoamDecay scale)")
     g.add_argument("--label-smoothing", type=float)
     g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
     g.add_argument("--mixed-precision", action="store_true", help="force mixed precision: mixed_bfloat16 on CPU, "

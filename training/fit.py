@@ -102,7 +102,8 @@ def compile_model(model, cfg, optimizer=None):
     if cfg["grad_accum"] and cfg["grad_accum"] > 1:
         kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
     if optimizer is None:
-        optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], **kwargs)
+        optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"],
+                                  scale=cfg["learning_rate_scale"], **kwargs)
     model.compile(
         optimizer=optimizer,
         loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"]),

@@ -62,13 +62,15 @@ def _save(fig, out) -> Path:
 # ---------------------------------------------------------------- schedule
 
 
-def schedule_settings(args) -> tuple[int, int, int | None]:
-    """(d_model, warmup_steps, optimizer steps run or None) for the second curve."""
+def schedule_settings(args) -> tuple[int, int, float, int | None]:
+    """(d_model, warmup_steps, learning-rate scale, optimizer steps run or None) for the second curve."""
     if not args.model_dir:
-        return args.d_model, args.warmup_steps, None
+        return args.d_model, args.warmup_steps, 1.0, None
     cfg = read_config(args.model_dir)
     steps_run = cfg.get("last_run", {}).get("optimizer_steps")
-    return cfg["model_config"]["d_model"], cfg["training"]["warmup_steps"], steps_run
+    # Runs from before the scale existed trained with the paper's curve.
+    scale = cfg["training"].get("learning_rate_scale", 1.0)
+    return cfg["model_config"]["d_model"], cfg["training"]["warmup_steps"], scale, steps_run
 
 
 def _preset_of(d_model) -> str:
@@ -76,22 +78,23 @@ def _preset_of(d_model) -> str:
 
 
 def plot_schedule(args) -> Path:
-    d_model, warmup, steps_run = schedule_settings(args)
-    curves = [(PAPER_D_MODEL, PAPER_WARMUP_STEPS, "paper base")]
-    if (d_model, warmup) != (PAPER_D_MODEL, PAPER_WARMUP_STEPS):
-        curves.append((d_model, warmup, "this run" if args.model_dir else _preset_of(d_model)))
+    d_model, warmup, scale, steps_run = schedule_settings(args)
+    curves = [(PAPER_D_MODEL, PAPER_WARMUP_STEPS, 1.0, "paper base")]
+    if (d_model, warmup, scale) != (PAPER_D_MODEL, PAPER_WARMUP_STEPS, 1.0):
+        curves.append((d_model, warmup, scale, "this run" if args.model_dir else _preset_of(d_model)))
     # Wide enough to show the decay after the longest warm-up and the whole run.
-    last = args.steps or max(5 * max(w for _, w, _ in curves), steps_run or 0)
+    last = args.steps or max(5 * max(c[1] for c in curves), steps_run or 0)
     steps = np.arange(1, last + 1)
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for d, w, name in curves:
-        lr = np.asarray(kt.TransformerSchedule(d, w)(steps))
-        ax.plot(steps, lr, label=f"{name}: d_model {d}, warm-up {w:,} (peak {lr.max():.2e})")
+    for d, w, scale, name in curves:
+        lr = np.asarray(kt.TransformerSchedule(d, w, scale)(steps))
+        scaled = "" if scale == 1.0 else f", scale {scale:g}"
+        ax.plot(steps, lr, label=f"{name}: d_model {d}, warm-up {w:,}{scaled} (peak {lr.max():.2e})")
     if steps_run:
         ax.axvline(steps_run, color="gray", linestyle="--", linewidth=1, label=f"end of the run ({steps_run:,} steps)")
-    ax.set(title="Learning rate: d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)",
+    ax.set(title="Learning rate: scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)",
            xlabel="optimizer step", ylabel="learning rate", xlim=(0, last), ylim=(0, None))
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.grid(alpha=0.3)

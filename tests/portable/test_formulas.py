@@ -62,7 +62,20 @@ def test_paper_adam_settings():
     assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.98, 1e-9)
     schedule = optimizer.get_config()["learning_rate"]
     assert schedule["class_name"] == "TransformerSchedule"
-    assert schedule["config"] == {"d_model": 512, "warmup_steps": 100}
+    assert schedule["config"] == {"d_model": 512, "warmup_steps": 100, "scale": 1.0}
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.5])
+def test_schedule_scale_multiplies_the_papers_rate(scale):
+    """OpenNMT-tf's NoamDecay: scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); its peak, at the end of
+    warm-up, is scale * (d_model * warmup)^-0.5."""
+    scaled, paper = kt.TransformerSchedule(128, 2000, scale=scale), kt.TransformerSchedule(128, 2000)
+    for step in (1, 500, 2000, 9000):
+        assert float(scaled(step)) == pytest.approx(scale * float(paper(step)), rel=1e-6)
+    assert float(scaled(2000)) == pytest.approx(scale * (128 * 2000) ** -0.5, rel=1e-5)
+    assert kt.TransformerSchedule.from_config(scaled.get_config()).scale == scale
+    with pytest.raises(ValueError, match="scale must be positive"):
+        kt.TransformerSchedule(128, 2000, scale=0)
 
 
 def test_base_model_has_the_papers_parameter_count():
