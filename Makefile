@@ -54,10 +54,10 @@ test: venv venv-jax venv-torch
 	exit $$status
 
 test-tf: venv
-	KERAS_BACKEND=tensorflow $(PY) -m pytest tests -q
+	KERAS_BACKEND=tensorflow $(PY) -m pytest tests -q --durations=25
 
 test-jax: venv-jax
-	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest tests/portable -q
+	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest tests/portable -q --durations=15
 
 ifneq ($(TORCH_WHEEL),)
 test-torch: venv-torch
