@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/train_throughput.py                 # small + base, fp32 + mixed_bfloat16, 1 + 2 replicas
     .venv/bin/python bench/train_throughput.py --presets small --steps 10
+    .venv/bin/python bench/train_throughput.py --configs configs/multi30k.json my-recipe.json \
+        --precisions fp32 --replica-counts 1 --rounds 3          # two recipes' models, alternating
 
 Each configuration runs in its own subprocess (logical CPU devices and the
 dtype policy must be set before TensorFlow initializes). The model is built and
@@ -14,6 +16,11 @@ shape: `--tokens-per-batch` tokens per side, sentences of `--length` tokens, no
 padding, vocabulary 8000. After `--warmup` steps, each step is timed (the loss
 is read back every step, so steps do not overlap) and the median is reported.
 Two replicas = two logical CPU devices sharing the same cores.
+
+`--configs` measures the models of kt-train config files instead of presets
+(their "preset", "model" overrides, "vocab_size" and "tokens_per_batch"), to
+compare what an epoch of one recipe costs against another's; `--rounds N`
+alternates all configurations N times, as this machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -94,7 +101,9 @@ def worker(args) -> dict:
     keras.mixed_precision.set_global_policy(policy)
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][: args.replicas]
     strategy = tf.distribute.MirroredStrategy(cpus)
-    cfg = dict(DEFAULTS, preset=args.preset, model={})
+    cfg = dict(DEFAULTS, preset=args.preset or DEFAULTS["preset"], model={})
+    if args.config_file:
+        cfg.update(recipe_settings(args.config_file))
     with strategy.scope():
         model = build_and_compile(cfg, args.vocab_size)
     batch = args.tokens_per_batch // args.length
@@ -108,16 +117,25 @@ def worker(args) -> dict:
     median = statistics.median(timed)
     target_tokens = batch * args.length
     return {
-        "preset": args.preset, "precision": policy, "replicas": args.replicas,
+        "preset": args.config_file or args.preset, "precision": policy, "replicas": args.replicas,
         "batch": f"{batch}x{args.length}", "target_tokens_per_step": target_tokens,
         "median_step_s": round(median, 4), "target_tokens_per_s": round(target_tokens / median, 1),
         "steps_timed": len(timed), "params": model.count_params(),
     }
 
 
+def recipe_settings(path) -> dict:
+    """The settings of a kt-train config file that shape a training step: preset, model overrides, vocabulary."""
+    cfg = json.loads(Path(path).read_text())
+    return {k: cfg[k] for k in ("preset", "model", "vocab_size", "tokens_per_batch") if k in cfg}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["small", "base"])
+    p.add_argument("--configs", nargs="+", metavar="JSON",
+                   help="kt-train config files to measure instead of --presets (their model, vocabulary and batch)")
+    p.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, alternating")
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--replica-counts", nargs="+", type=int, default=[1, 2])
     p.add_argument("--tokens-per-batch", type=int, default=4096)
@@ -131,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--config-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -140,32 +159,38 @@ def main(argv=None) -> int:
     env = worker_env()
     results = []
     t_start = time.time()
-    for preset in args.presets:
-        heavy = preset in ("base", "big")
-        warmup = args.warmup if args.warmup is not None else (2 if heavy else 3)
-        steps = args.steps if args.steps is not None else (4 if heavy else 10)
-        for precision in args.precisions:
-            for replicas in args.replica_counts:
-                cmd = [sys.executable, __file__, "--worker", "--preset", preset, "--precision", precision,
-                       "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
-                       "--tokens-per-batch", str(args.tokens_per_batch), "--length", str(args.length),
-                       "--vocab-size", str(args.vocab_size)]
-                r, seconds = run_worker(cmd, env, f"{preset} {precision} x{replicas}")
-                if r is None:
-                    continue
-                r["wall_s"] = round(seconds, 1)
-                results.append(r)
-                print(f"{preset:5s} {r['precision']:14s} replicas={replicas}  {r['target_tokens_per_s']:9.1f} "
-                      f"target tok/s  (median step {r['median_step_s']:.3f}s, batch {r['batch']}, "
-                      f"{r['wall_s']}s wall)", flush=True)
+    models = [("config", path, recipe_settings(path)) for path in args.configs or []] or \
+        [("preset", preset, {"preset": preset}) for preset in args.presets]
+    for round_ in range(1, args.rounds + 1):
+        for kind, name, settings in models:
+            heavy = settings.get("preset", "small") in ("base", "big")
+            warmup = args.warmup if args.warmup is not None else (2 if heavy else 3)
+            steps = args.steps if args.steps is not None else (4 if heavy else 10)
+            vocab_size = settings.get("vocab_size", args.vocab_size)
+            tokens_per_batch = settings.get("tokens_per_batch", args.tokens_per_batch)
+            for precision in args.precisions:
+                for replicas in args.replica_counts:
+                    cmd = [sys.executable, __file__, "--worker", f"--{kind}" + ("-file" if kind == "config" else ""),
+                           name, "--precision", precision, "--replicas", str(replicas), "--warmup", str(warmup),
+                           "--steps", str(steps), "--tokens-per-batch", str(tokens_per_batch),
+                           "--length", str(args.length), "--vocab-size", str(vocab_size)]
+                    r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas}")
+                    if r is None:
+                        continue
+                    r.update(wall_s=round(seconds, 1), round=round_)
+                    results.append(r)
+                    print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas}  "
+                          f"{r['target_tokens_per_s']:9.1f} target tok/s  (median step {r['median_step_s']:.3f}s, "
+                          f"batch {r['batch']}, {r['wall_s']}s wall)", flush=True)
 
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
           f"total {time.time() - t_start:.0f}s\n")
-    print("| preset | precision | replicas | batch (sentences x tokens) | median step (s) | target tokens/s |")
-    print("|---|---|---|---|---|---|")
+    print("| round | model | precision | replicas | parameters | batch (sentences x tokens) | median step (s) "
+          "| target tokens/s |")
+    print("|---|---|---|---|---:|---|---|---|")
     for r in results:
-        print(f"| {r['preset']} | {r['precision']} | {r['replicas']} | {r['batch']} | {r['median_step_s']:.3f} "
-              f"| {r['target_tokens_per_s']:,.0f} |")
+        print(f"| {r['round']} | {r['preset']} | {r['precision']} | {r['replicas']} | {r['params']:,} | {r['batch']} "
+              f"| {r['median_step_s']:.3f} | {r['target_tokens_per_s']:,.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
