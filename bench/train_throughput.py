@@ -159,21 +159,22 @@ def main(argv=None) -> int:
     env = worker_env()
     results = []
     t_start = time.time()
-    models = [("config", path, recipe_settings(path)) for path in args.configs or []] or \
-        [("preset", preset, {"preset": preset}) for preset in args.presets]
+    # (the worker's flag naming the model, its value, the settings it brings)
+    models = [("--config-file", path, recipe_settings(path)) for path in args.configs or []] or \
+        [("--preset", preset, {"preset": preset}) for preset in args.presets]
     for round_ in range(1, args.rounds + 1):
-        for kind, name, settings in models:
-            heavy = settings.get("preset", "small") in ("base", "big")
+        for model_flag, name, settings in models:
+            heavy = settings.get("preset") in ("base", "big")
             warmup = args.warmup if args.warmup is not None else (2 if heavy else 3)
             steps = args.steps if args.steps is not None else (4 if heavy else 10)
             vocab_size = settings.get("vocab_size", args.vocab_size)
             tokens_per_batch = settings.get("tokens_per_batch", args.tokens_per_batch)
             for precision in args.precisions:
                 for replicas in args.replica_counts:
-                    cmd = [sys.executable, __file__, "--worker", f"--{kind}" + ("-file" if kind == "config" else ""),
-                           name, "--precision", precision, "--replicas", str(replicas), "--warmup", str(warmup),
-                           "--steps", str(steps), "--tokens-per-batch", str(tokens_per_batch),
-                           "--length", str(args.length), "--vocab-size", str(vocab_size)]
+                    cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
+                           "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
+                           "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
+                           "--vocab-size", str(vocab_size)]
                     r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas}")
                     if r is None:
                         continue

@@ -83,7 +83,7 @@ def plot_schedule(args) -> Path:
     if (d_model, warmup, scale) != (PAPER_D_MODEL, PAPER_WARMUP_STEPS, 1.0):
         curves.append((d_model, warmup, scale, "this run" if args.model_dir else _preset_of(d_model)))
     # Wide enough to show the decay after the longest warm-up and the whole run.
-    last = args.steps or max(5 * max(c[1] for c in curves), steps_run or 0)
+    last = args.steps or max(5 * max(w for _, w, _, _ in curves), steps_run or 0)
     steps = np.arange(1, last + 1)
 
     plt = _pyplot()
