@@ -44,6 +44,12 @@ venv-torch:
 	@echo "No PyTorch CPU wheel for $(PYTHON_TAG) in /opt/wheels (or TORCH_WHEEL=/path/to/torch-*+cpu-*.whl): the PyTorch tests are skipped."
 endif
 
+# pytest-xdist's worker processes, each given whole test files (their module fixtures are built once): most of
+# the suite's time is single-threaded tracing, compiling and subprocess start-up, which overlaps on 2 cores.
+# TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= auto
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 # What CI runs (.ci/run): the whole suite on TensorFlow (tests/portable included, and the cross-backend tests of
 # tests/test_backends.py), then tests/portable on JAX and on PyTorch. All three run; any failure fails `make test`.
 test: venv venv-jax venv-torch
@@ -54,14 +60,14 @@ test: venv venv-jax venv-torch
 	exit $$status
 
 test-tf: venv
-	KERAS_BACKEND=tensorflow $(PY) -m pytest tests -q --durations=25
+	KERAS_BACKEND=tensorflow $(PY) $(PYTEST) tests --durations=25
 
 test-jax: venv-jax
-	KERAS_BACKEND=jax $(JAX_VENV)/bin/python -m pytest tests/portable -q --durations=15
+	KERAS_BACKEND=jax $(JAX_VENV)/bin/python $(PYTEST) tests/portable --durations=15
 
 ifneq ($(TORCH_WHEEL),)
 test-torch: venv-torch
-	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python -m pytest tests/portable -q
+	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python $(PYTEST) tests/portable
 else
 test-torch: venv-torch
 endif

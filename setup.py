@@ -44,7 +44,7 @@ setup(
         "serving": ["tensorflow-serving-api>=2.21,<2.22"],
         # Figures of a run (python -m training.plots); tests/test_plots.py needs it too.
         "plots": ["matplotlib>=3.6"],
-        "test": ["pytest>=8", "matplotlib>=3.6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.6"],
     },
     entry_points={
         "console_scripts": [

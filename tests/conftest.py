@@ -6,8 +6,10 @@ numpy, keras and keras_transformer only at module level; TensorFlow only inside 
 """
 
 import base64
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +75,24 @@ def tiny_model():
     return model
 
 
+def built_once(tmp_path_factory, name, build):
+    """`build(folder) -> path` run once for the whole test run, also when pytest-xdist splits it among worker
+    processes (`make test` does): the first worker to ask builds into a folder they all share while the others
+    wait on a lock, then every worker gets the same path. For session fixtures the tests only read."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's base temp is a sibling in one folder of the run
+    done = root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker's failed build left
+            folder.mkdir()
+            done.write_text(str(build(folder)), encoding="utf-8")  # written only once the build succeeded
+    return Path(done.read_text(encoding="utf-8"))
+
+
 @pytest.fixture(scope="session")
 def quick_model_dir(tmp_path_factory):
     """A model directory as kt-train writes it, trained in about a minute (see tests/quick_model.py)."""
@@ -80,8 +100,8 @@ def quick_model_dir(tmp_path_factory):
         pytest.skip(f"Multi30k not found in {MULTI30K}")
     from quick_model import build_quick_model_dir
 
-    return build_quick_model_dir(tmp_path_factory.mktemp("quick-en-de"), MULTI30K, lines=2000, vocab_size=400,
-                                 steps=200, max_length=QUICK_MODEL_MAX_LENGTH)
+    return built_once(tmp_path_factory, "quick-en-de", lambda folder: build_quick_model_dir(
+        folder, MULTI30K, lines=2000, vocab_size=400, steps=200, max_length=QUICK_MODEL_MAX_LENGTH))
 
 
 def random_ids(rng, batch, length, low=4, high=VOCAB):
@@ -249,10 +269,11 @@ def full_pass_decoder(start_id):
 def exported(quick_model_dir, tmp_path_factory):
     """EXPORT_DIR/translator/1 of the quick model: beam 4, cached decoding (what kt-export writes by default), in 2
     loops (kt-export's default on 2 CPUs; fixed here, so the tests decode in parallel loops on any machine).
-    One export for the session: the export, signature and C++ loader tests all read it."""
+    One export for the test run: the export, signature and C++ loader tests all read it."""
     from export.export_model import export
 
-    return export(quick_model_dir, tmp_path_factory.mktemp("exports"), check_ops=False, parallel_loops=2)
+    return built_once(tmp_path_factory, "exports",
+                      lambda folder: export(quick_model_dir, folder, check_ops=False, parallel_loops=2))
 
 
 @pytest.fixture(scope="session")

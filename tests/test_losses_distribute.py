@@ -26,7 +26,7 @@ for loss in (kt.MaskedSparseCategoricalCrossentropy(), kt.MaskedSparseCategorica
             per_replica = tf.distribute.get_strategy().run(lambda: loss(labels, logits, sample_weight=sample_weight))
         print(alone, float(per_replica.values[0]), float(per_replica.values[1]))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [list(map(float, line.split())) for line in done.stdout.strip().splitlines()[-4:]]
     # The mean, with and without sample weights, carries 1/N; a sum is already the global sum's share.

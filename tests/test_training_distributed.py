@@ -97,7 +97,7 @@ EQUIVALENCE_SCRIPT = textwrap.dedent(
 
 def test_two_replicas_match_one_replica():
     proc = subprocess.run([sys.executable, "-c", EQUIVALENCE_SCRIPT], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
     results = json.loads(line[len("RESULT "):])
@@ -183,7 +183,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path):
     assert killed_at["epoch"] >= 1 and 0 < killed_at["batch"] < steps
     assert killed_at["step"] == killed_at["epoch"] * steps + killed_at["batch"] + 1
 
-    proc2 = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    proc2 = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     out = proc2.stdout + proc2.stderr
     assert proc2.returncode == 0, out[-3000:]
     # Resumed from the mid-epoch backup: its epoch and optimizer step, not from zero.
@@ -250,7 +250,7 @@ def test_two_worker_multiworker_mirrored(tmp_path):
     model_dir = tmp_path / "mw"
     cmd = _train_cmd(model_dir, src, tgt, "--epochs", "1", "--steps-per-epoch", "4")
     procs = _start_workers(cmd, [tmp_path / f"worker{i}.log" for i in range(2)])
-    _wait_all(procs, 240)
+    _wait_all(procs, 600)
     outs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -306,7 +306,7 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
     assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
 
     procs = start(2)
-    _wait_all(procs, 400)
+    _wait_all(procs, 600)
     outs = [(tmp_path / f"run2-worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
