@@ -46,7 +46,8 @@ endif
 
 # pytest-xdist's worker processes, each given whole test files (their module fixtures are built once): most of
 # the suite's time is single-threaded tracing, compiling and subprocess start-up, which overlaps on 2 cores.
-# TEST_WORKERS=0 runs the suite in this one process.
+# TEST_WORKERS=0 runs the suite in this one process. Not PyTorch's: its eager ops keep both cores busy already,
+# and 2 workers made it slower (README, "Tests and CI").
 TEST_WORKERS ?= auto
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -67,7 +68,7 @@ test-jax: venv-jax
 
 ifneq ($(TORCH_WHEEL),)
 test-torch: venv-torch
-	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python $(PYTEST) tests/portable
+	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python -m pytest -q tests/portable
 else
 test-torch: venv-torch
 endif
