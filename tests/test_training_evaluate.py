@@ -196,6 +196,38 @@ def test_average_checkpoints(trained_dir):
         np.testing.assert_allclose(m, (a.astype(np.float64) + b) / 2, rtol=1e-6, atol=1e-7)
 
 
+def test_average_checkpoints_of_a_run_without_model_keras(trained_dir, tmp_path, capsys):
+    """While kt-train runs, or after it was stopped, there is no model.keras yet: the average is built from
+    config.json's architecture and equals the one made with model.keras. Without either, one clear line."""
+    import shutil
+
+    import keras
+
+    import keras_transformer  # noqa: F401
+    from training.average_checkpoints import main
+
+    assert main(["--model-dir", str(trained_dir), "--last", "2", "--output", str(tmp_path / "with.keras")]) == 0
+    running = tmp_path / "running"
+    shutil.copytree(trained_dir, running, ignore=shutil.ignore_patterns("model.keras", "*.keras"))
+    assert not (running / "model.keras").exists()
+    assert main(["--model-dir", str(running), "--last", "2", "--output", str(tmp_path / "without.keras")]) == 0
+    with_model = keras.models.load_model(tmp_path / "with.keras", compile=False)
+    without = keras.models.load_model(tmp_path / "without.keras", compile=False)
+    unnamed = lambda m: {k: v for k, v in m.get_config().items() if k != "name"}  # noqa: E731
+    assert unnamed(without) == unnamed(with_model)
+    for a, b in zip(with_model.get_weights(), without.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    cfg = json.loads((running / "config.json").read_text())
+    del cfg["model_config"]
+    (running / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["--model-dir", str(running), "--last", "2", "--output", str(tmp_path / "x.keras")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kt-average-checkpoints: error:") and "model.keras not found" in err, err
+    assert "model_config" in err and "\n" not in err
+
+
 def test_translate_all_shows_progress_over_the_batches(capsys):
     """kt-evaluate's progress bar (stderr): it counts every sentence, batch after batch, to the total."""
     import tensorflow as tf

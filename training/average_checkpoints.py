@@ -9,6 +9,8 @@ validation score that kt-train recorded in history.csv.
 Reads MODEL_DIR/checkpoints/epoch-NNN.weights.h5 (written by training.train),
 writes MODEL_DIR/averaged.keras (evaluate it with
 `python -m training.evaluate --model-dir runs/en-de --model-file runs/en-de/averaged.keras`).
+It also works while kt-train is still running, or after a run was stopped before it wrote model.keras: the
+model is then built from the architecture that config.json records.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ quiet_import_for_commands(__name__)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-import keras_transformer  # noqa: F401  (registers the serializable classes model.keras needs)
+import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
 from export.translator import MODEL_FILENAME, read_config  # noqa: E402
 from training.config import CHECKPOINT_DIR  # noqa: E402
 
@@ -76,6 +78,21 @@ def best_checkpoints(model_dir, n: int, by: str = "val_loss") -> list[tuple[Path
     scored = [(path, scores[epoch]) for epoch, path in epoch_checkpoints(model_dir) if epoch in scores]
     scored.sort(key=lambda item: -item[1] if SCORES[by] else item[1])
     return scored[:n]
+
+
+def load_or_build_model(model_dir, cfg):
+    """The model to average into: MODEL_DIR/model.keras, or, while kt-train is still running (or after it was
+    stopped, before it wrote model.keras), a new model of the architecture and dtype policy config.json records."""
+    path = Path(model_dir) / cfg.get("model_file", MODEL_FILENAME)
+    if path.is_file():
+        return keras.models.load_model(path, compile=False)
+    if "model_config" not in cfg:
+        raise ValueError(f"{path} not found, and {Path(model_dir) / 'config.json'} records no model_config "
+                         "to build the model from")
+    model = keras_transformer.Transformer.from_config({**cfg["model_config"], "dtype": cfg.get("dtype_policy")})
+    dummy = np.ones((1, 2), "int32")
+    model((dummy, dummy))
+    return model
 
 
 def average_weights(model, checkpoint_paths) -> None:
@@ -139,7 +156,11 @@ def main(argv=None) -> int:
         chosen = checkpoints[-args.last:]
     if len(chosen) < wanted:
         print(f"Only {len(chosen)} checkpoint(s) available; averaging those.")
-    model = keras.models.load_model(Path(args.model_dir) / cfg.get("model_file", MODEL_FILENAME), compile=False)
+    try:
+        model = load_or_build_model(args.model_dir, cfg)
+    except ValueError as e:
+        print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
+        return 2
     average_weights(model, chosen)
     out = Path(args.output) if args.output else Path(args.model_dir) / "averaged.keras"
     model.save(out)
