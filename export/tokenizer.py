@@ -16,8 +16,21 @@ import tensorflow_text as tf_text
 from keras_transformer.text import END_ID, PAD_ID, START_ID
 
 
-def make_tokenizer(model_proto: bytes):
-    """The tensorflow-text tokenizer (int32 ids, no bos/eos) for a sentencepiece model proto."""
+def make_tokenizer(model_proto: bytes, *, sampling_alpha: float | None = None):
+    """The tensorflow-text tokenizer (int32 ids, no bos/eos) for a sentencepiece model proto.
+
+    By default it gives each text its most likely segmentation. With `sampling_alpha` (> 0) it samples a
+    segmentation instead, anew at each call, from all of them with probabilities proportional to
+    p(segmentation) ** sampling_alpha (sentencepiece's `nbest_size=-1`): subword regularization (Kudo, 2018,
+    "Subword Regularization: Improving Neural Network Translation Models with Multiple Subword Candidates").
+    Lower alpha samples more varied segmentations. For training only: the pieces still detokenize to the
+    same text, but they are not the ones evaluation and the export see.
+    """
+    if sampling_alpha:
+        if sampling_alpha < 0:
+            raise ValueError(f"sampling_alpha must be positive, got {sampling_alpha}")
+        return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False,
+                                              nbest_size=-1, alpha=float(sampling_alpha))
     return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False)
 
 

@@ -89,6 +89,42 @@ def test_bucket_sizes_follow_budget():
         bucket_batch_sizes(bounds, 100, 150, num_replicas=2)
 
 
+def _epoch_of_pieces(ds, sp):
+    """{target text: (source pieces, target pieces)} of one pass over make_batches' output."""
+    out = {}
+    for (source, _), target_out in ds:
+        for s, to in zip(source.numpy(), target_out.numpy()):
+            s, to = s[s != PAD_ID][:-1].tolist(), to[to != PAD_ID][:-1].tolist()  # without the end id
+            out[sp.decode(to)] = (s, to)
+    return out
+
+
+def test_subword_sampling_varies_the_pieces_not_the_text(proto, corpus):
+    """kt-train --subword-sampling (Kudo, 2018): each epoch segments a training sentence anew, into pieces
+    that still spell the same sentence on both sides; without it, every epoch gets the same, best, pieces."""
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    src_text, tgt_text = corpus[0][:300], corpus[1][:300]
+    pairs = tf.data.Dataset.from_tensor_slices((src_text, tgt_text))
+    best = {sp.decode(sp.encode(t)): (sp.encode(s), sp.encode(t)) for s, t in zip(src_text, tgt_text)}
+
+    plain = make_batches(pairs, make_tokenizer(proto), max_length=128, tokens_per_batch=2000, shuffle=False)
+    assert _epoch_of_pieces(plain, sp) == _epoch_of_pieces(plain, sp) == best
+
+    sampled = make_batches(pairs, make_tokenizer(proto, sampling_alpha=0.2), max_length=128,
+                           tokens_per_batch=4000, shuffle=False)
+    first, second = _epoch_of_pieces(sampled, sp), _epoch_of_pieces(sampled, sp)
+    assert first.keys() == second.keys() == best.keys()
+    for epoch in (first, second):
+        for target, (s, t) in epoch.items():
+            source, _ = best[target]
+            assert sp.decode(s) == sp.decode(source) and sp.decode(t) == target
+    changed = sum(first[k] != best[k] for k in best)
+    assert changed > 0.5 * len(best), changed
+    assert sum(first[k] != second[k] for k in best) > 0.5 * len(best)
+    with pytest.raises(ValueError, match="sampling_alpha must be positive"):
+        make_tokenizer(proto, sampling_alpha=-0.1)
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_batches_budget_padding_and_ids(proto, corpus, replicas):
     tok = make_tokenizer(proto)

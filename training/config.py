@@ -37,6 +37,7 @@ DEFAULTS = {
     "vocab_size": 8000,
     "tokens_per_batch": 4096,
     "max_length": 128,
+    "subword_sampling": None,
     "warmup_steps": 4000,
     "learning_rate_scale": 1.0,
     "label_smoothing": 0.1,
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokens-per-batch", type=int, help="token budget per batch and side (default 4096; paper ~25000)")
     g.add_argument("--max-length", type=int, help="drop training pairs longer than this many tokens (default 128)")
     g.add_argument("--shuffle-buffer", type=int)
+    g.add_argument("--subword-sampling", type=float, metavar="ALPHA",
+                   help="subword regularization (Kudo, 2018): sample each training sentence's segmentation anew "
+                   "every epoch, with probabilities proportional to p ** ALPHA (lower = more varied, e.g. 0.2-0.5); "
+                   "validation and evaluation keep the best segmentation (default: off)")
     g = p.add_argument_group("training")
     g.add_argument("--model-dir", help="output directory (default runs/model)")
     g.add_argument("--init-from", metavar="MODEL_DIR",

@@ -141,6 +141,8 @@ def fit_verbosity(setting, stream=sys.stdout) -> int:
 
 def train(cfg: dict, strategy=None) -> dict:
     """Runs training as configured; returns a summary dict (also printed as JSON)."""
+    if (cfg["subword_sampling"] or 0) < 0:
+        raise ConfigError(f"--subword-sampling must be positive (or 0 for off), got {cfg['subword_sampling']}")
     if strategy is None:
         strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
     tfds.disable_progress_bar()
@@ -168,7 +170,9 @@ def train(cfg: dict, strategy=None) -> dict:
     batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=cfg["tokens_per_batch"],
                       num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
     steps = cfg["steps_per_epoch"]
-    train_ds = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
+    alpha = cfg["subword_sampling"]
+    train_tokenizer = make_tokenizer(proto, sampling_alpha=alpha) if alpha else tokenizer
+    train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
                             seed=cfg["seed"], repeat=bool(steps), **batch_args)
     val_ds = val_bleu = None
     if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
