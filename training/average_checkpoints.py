@@ -90,8 +90,7 @@ def load_or_build_model(model_dir, cfg):
         raise ValueError(f"{path} not found, and {Path(model_dir) / 'config.json'} records no model_config "
                          "to build the model from")
     model = keras_transformer.Transformer.from_config({**cfg["model_config"], "dtype": cfg.get("dtype_policy")})
-    dummy = np.ones((1, 2), "int32")
-    model((dummy, dummy))
+    model.build()
     return model
 
 
