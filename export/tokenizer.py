@@ -26,12 +26,10 @@ def make_tokenizer(model_proto: bytes, *, sampling_alpha: float | None = None):
     Lower alpha samples more varied segmentations. For training only: the pieces still detokenize to the
     same text, but they are not the ones evaluation and the export see.
     """
-    if sampling_alpha:
-        if sampling_alpha < 0:
-            raise ValueError(f"sampling_alpha must be positive, got {sampling_alpha}")
-        return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False,
-                                              nbest_size=-1, alpha=float(sampling_alpha))
-    return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False)
+    if sampling_alpha is not None and sampling_alpha < 0:
+        raise ValueError(f"sampling_alpha must be positive, got {sampling_alpha}")
+    sampling = dict(nbest_size=-1, alpha=float(sampling_alpha)) if sampling_alpha else {}
+    return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False, **sampling)
 
 
 def encode_source(tokenizer, texts, max_length: int | None = None):
