@@ -5,6 +5,7 @@
         --steps 3 --warmup 1 --matmul-sizes 512                                    # smoke run
     git worktree add /tmp/kt-a0 a0afafa && .venv/bin/python bench/peers_throughput.py --frameworks ours \\
         --baseline a0afafa=/tmp/kt-a0 --rounds 3 --matmul-sizes                     # against an older commit
+    ONEDNN_MAX_CPU_ISA=AVX2 .venv-bench/bin/python bench/peers_throughput.py --precisions fp32   # AVX2 stand-in
 
 Needs a separate virtualenv with the peers (they are not project dependencies):
 
@@ -353,7 +354,9 @@ def main(argv=None) -> int:
         if not args.precisions:
             return 0
     env = worker_env()
-    print(f"{ONEDNN_ENV}={env[ONEDNN_ENV]} in every worker", flush=True)
+    caps = " ".join(f"{k}={env[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+                    if k in env)
+    print(f"{ONEDNN_ENV}={env[ONEDNN_ENV]} in every worker{', capped: ' + caps if caps else ''}", flush=True)
     common = ["--threads", str(args.threads), "--tokens-per-batch", str(args.tokens_per_batch),
               "--length", str(args.length), "--vocab-size", str(args.vocab_size)]
     t_start = time.time()

@@ -43,10 +43,18 @@ from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow)
 def worker_env() -> dict:
     """The environment of every benchmark worker: TensorFlow's INFO lines off, no TF_CONFIG, and
     TensorFlow's oneDNN kernels on, as kt-train runs (training/train.py), for the peers
-    on TensorFlow too; `TF_ENABLE_ONEDNN_OPTS=0` in the caller's environment measures without them."""
+    on TensorFlow too; `TF_ENABLE_ONEDNN_OPTS=0` in the caller's environment measures without them.
+
+    `ONEDNN_MAX_CPU_ISA=AVX2` (the stand-in for an AVX2-only CPU) caps every library's kernels, not only
+    oneDNN's: PyTorch's own (`ATEN_CPU_CAPABILITY=avx2`) and MKL's, which computes PyTorch's float32
+    products on x86 and would otherwise keep using AVX-512 on an Intel CPU (BENCHMARKS.md, "On an Intel
+    Xeon with AMX")."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     env.setdefault(ONEDNN_ENV, "1")
+    if env.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
+        env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        env.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     return env
 
 
