@@ -1,6 +1,8 @@
 """Data sources and bad input: Multi30k TFDS builder, parallel files, clear errors."""
 
 import logging
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from conftest import MULTI30K, needs_multi30k
 from training.data import DataSpec, load_text_pairs
 from training.errors import DataError, DataNotFoundError, LineCountMismatchError
-from training.multi30k import check_multi30k_dir, resolve_multi30k_dir
+from training.multi30k import Multi30k, builder_lock, check_multi30k_dir, prepare_multi30k, resolve_multi30k_dir
 from training.text_files import read_parallel_files
 
 
@@ -44,6 +46,24 @@ def test_multi30k_tfds_builder_reads_local_files(tfds_dir):
     fr = DataSpec(dataset="multi30k", source_lang="en", target_lang="fr", data_dir=str(MULTI30K),
                   tfds_data_dir=tfds_dir)
     assert sum(1 for _ in load_text_pairs(fr, "validation", max_examples=10)) == 10
+
+
+@needs_multi30k
+def test_two_runs_preparing_multi30k_at_once_take_turns(tmp_path, caplog):
+    """Two kt-train runs started together on a fresh machine: the second waits for the first's dataset
+    (without the lock, both wrote the same incomplete directory and one failed with TFDS' NotFoundError)."""
+    held = Multi30k(config="de-en", data_dir=str(tmp_path))
+    done = []
+    second = threading.Thread(target=lambda: done.append(prepare_multi30k(
+        "en", "de", data_dir=str(MULTI30K), tfds_data_dir=str(tmp_path))), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="training.multi30k"), builder_lock(held):  # the first run
+        second.start()
+        second.join(timeout=5)
+        assert second.is_alive() and not done, "the second run did not wait for the first"
+        assert not Path(held.data_dir).exists()
+    second.join(timeout=300)
+    assert done and done[0].info.splits["train"].num_examples == 29000
+    assert "Waiting for another process that is preparing multi30k/de-en" in caplog.text
 
 
 @needs_multi30k

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from training.errors import DataError
-from training.multi30k import canonical_split, prepare_multi30k
+from training.multi30k import canonical_split, download_and_prepare, prepare_multi30k
 from training.text_files import read_parallel_files
 
 log = logging.getLogger("training.data")
@@ -65,7 +65,7 @@ def load_text_pairs(spec: DataSpec, split: str, *, max_examples: int | None = No
             builder = tfds.builder(spec.dataset, data_dir=tfds_data_dir(spec))
         except Exception as e:  # unknown name etc.
             raise DataError(f"Cannot load TFDS dataset {spec.dataset!r}: {e}") from e
-        builder.download_and_prepare()
+        download_and_prepare(builder)
         langs = getattr(builder.info.features, "languages", None) or list(builder.info.features.keys())
         for lang in (src_lang, tgt_lang):
             if lang not in langs:

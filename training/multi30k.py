@@ -8,11 +8,17 @@ One builder config per language pair, e.g. `multi30k/de-en`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
 import os
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -156,6 +162,40 @@ class Multi30k(tfds.core.GeneratorBasedBuilder):
             yield i, {a: x, b: y}
 
 
+@contextlib.contextmanager
+def builder_lock(builder):
+    """Holds a lock on a TFDS builder's dataset while its files are prepared.
+
+    Two `kt-train` runs started together on a fresh machine (en->de and de->en, say) would otherwise both
+    write the same `incomplete.*` directory, and one of them fail with TFDS' raw NotFoundError. An
+    exclusive `fcntl.flock` on `.prepare.lock` beside the dataset's version directories: the second run
+    waits, then finds the dataset prepared. Not taken for remote paths (gs://...) or without fcntl.
+    """
+    data_dir = str(builder.data_dir)
+    if fcntl is None or "://" in data_dir:
+        yield
+        return
+    path = Path(data_dir).parent / ".prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("Waiting for another process that is preparing %s (lock %s).", builder.info.full_name,
+                        path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def download_and_prepare(builder, **kwargs):
+    """`builder.download_and_prepare(**kwargs)` under `builder_lock`: one process at a time."""
+    with builder_lock(builder):
+        builder.download_and_prepare(**kwargs)
+
+
 def prepare_multi30k(source_lang: str, target_lang: str, *, data_dir=None, tfds_data_dir=None) -> Multi30k:
     """Builds (once per `tfds_data_dir`) and returns the Multi30k builder for a language pair."""
     for lang in (source_lang, target_lang):
@@ -166,5 +206,5 @@ def prepare_multi30k(source_lang: str, target_lang: str, *, data_dir=None, tfds_
     if raw_dir is not None:
         check_multi30k_dir(raw_dir, (source_lang, target_lang))
     download_config = tfds.download.DownloadConfig(manual_dir=str(raw_dir.resolve()) if raw_dir else None)
-    builder.download_and_prepare(download_config=download_config)
+    download_and_prepare(builder, download_config=download_config)
     return builder
