@@ -688,8 +688,11 @@ def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_fil
 
     scored = _signature_call(stand_in_server["loaded"], "score", [lines[i] for i in nonblank],
                              target=[targets[i].encode() for i in nonblank])
-    assert [rows["score"][i] for i in nonblank] == [f"{s:.4f}\t{p:.4f}" for s, p in
-                                                      zip(scored["score"], scored["log_prob"])]
+    # The file holds 4 decimals of sums computed in batches of 3, the reference in one batch of 5: float32 sums of
+    # other batch shapes may differ in their last bits, and so flip a 4th decimal (seen on an AMX Xeon).
+    assert all(re.fullmatch(r"-?\d+\.\d{4}\t-?\d+\.\d{4}", rows["score"][i]) for i in nonblank)
+    np.testing.assert_allclose([[float(x) for x in rows["score"][i].split("\t")] for i in nonblank],
+                               np.stack([scored["score"], scored["log_prob"]], axis=1), rtol=0, atol=2e-4)
     assert rows["prefix"][0].startswith("Ein") and rows["prefix"][1].startswith("Zwei")
     assert rows["prefix"][4].startswith("Eine Frau")
     beam = _expected_translated(_signature_call(stand_in_server["loaded"], "serving_default",
