@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from export.translator import Translator  # noqa: E402
+from keras_transformer.hardware import cpu_flags  # noqa: E402
 from training.multi30k import multi30k_files  # noqa: E402
 
 
@@ -59,9 +59,8 @@ def main(argv=None) -> int:
     needed = max([args.sentences, *args.batch_sizes])
     if len(lines) < needed:
         p.error(f"{path} has {len(lines)} sentences; the largest batch needs {needed}")
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    flags = next((line.split(":", 1)[1].split() for line in flags.splitlines() if line.startswith("Flags")), [])
-    print(f"TensorFlow {tf.__version__}, CPU flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx')))}")
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))
+    print(f"TensorFlow {tf.__version__}, CPU flags: {' '.join(flags)}")
     print(f"{args.sentences} sentences of {path.name}, beam {args.beam_size}, alpha {args.alpha}\n")
     print("| precision | batch size | translations unlike alone | largest score difference |")
     print("|---|---:|---:|---:|")

@@ -49,9 +49,10 @@ def _trimmed_rows(tokens):
 
 
 def _cpu_flags():
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
+    from keras_transformer.hardware import cpu_flags
+
+    flags = cpu_flags()
+    if not flags:
         return "unknown"
     return " ".join(sorted(f for f in flags if f in ("avx2", "fma") or f.startswith(("avx512", "amx"))))
 

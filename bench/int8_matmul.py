@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from keras_transformer.hardware import cpu_flags  # noqa: E402
 from training import ONEDNN_ENV  # noqa: E402
 
 # (name, K, N, times per decoding step) of the small preset's decoder-step products: in each of its 3 decoder
@@ -96,10 +96,9 @@ def main(argv=None) -> int:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    flags = next((line.split(":", 1)[1].split() for line in flags.splitlines() if line.startswith("Flags")), [])
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     print(f"TensorFlow {tf.__version__}, {ONEDNN_ENV}={os.environ.get(ONEDNN_ENV, 'unset')}, "
-          f"CPU flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx', 'fma')))}")
+          f"CPU flags: {' '.join(flags)}")
     print("| product | rows | float32 (µs) | bfloat16 (µs) | float32 XLA (µs) | int8 product (µs) | int8 dense (µs) "
           "| int8 XLA (µs) | QuantizedMatMul (µs) | int8 dense / float32 | best int8 / best float |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -85,7 +85,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from train_throughput import run_worker, worker_env  # noqa: E402  (bench/, beside this file)
+from train_throughput import AVX2_CAP, run_worker, worker_env  # noqa: E402  (bench/, beside this file)
 from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow; train_throughput put the repo on the path)
 FRAMEWORKS = ["ours", "keras-hub", "torch"]
 # Copied from keras_transformer/model.py PRESETS (not imported: the parent process
@@ -354,8 +354,7 @@ def main(argv=None) -> int:
         if not args.precisions:
             return 0
     env = worker_env()
-    caps = " ".join(f"{k}={env[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
-                    if k in env)
+    caps = " ".join(f"{k}={env[k]}" for k in ("ONEDNN_MAX_CPU_ISA", *AVX2_CAP) if k in env)
     print(f"{ONEDNN_ENV}={env[ONEDNN_ENV]} in every worker{', capped: ' + caps if caps else ''}", flush=True)
     common = ["--threads", str(args.threads), "--tokens-per-batch", str(args.tokens_per_batch),
               "--length", str(args.length), "--vocab-size", str(args.vocab_size)]

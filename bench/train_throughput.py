@@ -40,6 +40,10 @@ sys.path.insert(0, str(REPO))
 from training import ONEDNN_ENV  # noqa: E402  (imports no TensorFlow)
 
 
+# What caps PyTorch's own kernels and MKL's at AVX2, beside oneDNN's ONEDNN_MAX_CPU_ISA (worker_env).
+AVX2_CAP = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
 def worker_env() -> dict:
     """The environment of every benchmark worker: TensorFlow's INFO lines off, no TF_CONFIG, and
     TensorFlow's oneDNN kernels on, as kt-train runs (training/train.py), for the peers
@@ -53,8 +57,8 @@ def worker_env() -> dict:
     env.pop("TF_CONFIG", None)
     env.setdefault(ONEDNN_ENV, "1")
     if env.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
-        env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-        env.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        for name, value in AVX2_CAP.items():
+            env.setdefault(name, value)
     return env
 
 
