@@ -66,7 +66,13 @@ computes no scores (`return_scores=False`; ours reports one).
 Batch 64 runs the first `--limit` sentences (all 1,000), batch 1 the first
 `--batch1-limit` (200). Every configuration is warmed up, then the repeats
 alternate ours / CTranslate2 and the median is reported, with the ratio of
-speeds ours / CTranslate2 (the goal: >= 0.5 at batch 64, greedy and beam 4).
+speeds ours / CTranslate2.
+
+Several CTranslate2 settings alternate with ours in one run with `--ct2`,
+repeated: `--ct2 float32:1x2 --ct2 float32:2x1 --ct2 int8:1x2 --ct2 int8:2x1`
+(compute type, workers x threads per worker; with 2 workers each batch is
+split in two halves that run at once). Each row then also gives ours over
+the fastest setting of each compute type (issue 27, item 2).
 Identity and sacreBLEU are of the largest batch size (64: all sentences;
 `--outputs DIR` writes both systems' translations). Keep the CPU line (model
 and avx2/avx512*/amx flags) with the figures; CT2_VERBOSE=1 makes CTranslate2
@@ -288,13 +294,20 @@ def run_convert(args) -> int:
 
 class CTranslate2Texts:
     """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
-    -> (translations, scores); scores are None (not computed)."""
+    -> (translations, scores); scores are None (not computed).
 
-    def __init__(self, model_dir, max_source_length, length_penalty, threads, inter_threads=1, max_batch_size=0):
+    compute_type: "float32" or "int8" (CTranslate2 quantizes the float32 weights when it loads them, with a
+    scale per output channel). With inter_threads > 1 and max_batch_size 0, each batch is split into
+    inter_threads chunks of equal size that run at once, one per worker."""
+
+    def __init__(self, model_dir, max_source_length, length_penalty, threads, inter_threads=1, max_batch_size=0,
+                 compute_type="float32"):
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / TOKENIZER_FILENAME))
-        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="float32",
+        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=inter_threads)
-        self.max_batch_size = max_batch_size  # 0: the whole batch at once; else chunks, run on the inter_threads
+        self.compute_type = compute_type
+        self.inter_threads = inter_threads
+        self.max_batch_size = max_batch_size  # 0: split across the workers (or the whole batch with one worker)
         self.max_source_length = max_source_length
         self.length_penalty = length_penalty
         self.pad = self.sp.id_to_piece(PAD_ID)
@@ -310,11 +323,25 @@ class CTranslate2Texts:
 
     def translate(self, texts, beam_size):
         pieces = self.sp.encode(list(texts), out_type=str)
+        chunk = self.max_batch_size or -(-len(pieces) // self.inter_threads)
         results = self.translator.translate_batch(
             pieces, beam_size=beam_size, length_penalty=self.length_penalty,
             max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
-            min_decoding_length=0, suppress_sequences=[[self.pad]], max_batch_size=self.max_batch_size)
+            min_decoding_length=0, suppress_sequences=[[self.pad]], max_batch_size=chunk)
         return self.sp.decode([r.hypotheses[0] for r in results]), [None] * len(texts)
+
+
+def parse_ct2_setting(text):
+    """'int8:2x1' -> ("int8", 2, 1): compute type, workers (inter_threads) x threads per worker (intra_threads)."""
+    try:
+        compute_type, layout = text.split(":")
+        inter, intra = (int(n) for n in layout.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--ct2 {text!r}: expected COMPUTE_TYPE:WORKERSxTHREADS, e.g. int8:2x1 or float32:1x2") from None
+    if compute_type not in ("float32", "int8", "int8_float32", "bfloat16", "int8_bfloat16") or inter < 1 or intra < 1:
+        raise argparse.ArgumentTypeError(f"--ct2 {text!r}: unknown compute type or a thread count below 1")
+    return compute_type, inter, intra
 
 
 def matched_length_penalty(alpha, references, sp) -> tuple[float, float]:
@@ -364,13 +391,18 @@ def run_compare(args) -> int:
     length_penalty, median_length = matched_length_penalty(args.alpha, references, sp)
     if args.ct2_length_penalty is not None:
         length_penalty = args.ct2_length_penalty
-    ct2 = CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, args.threads,
-                           args.ct2_inter_threads, args.ct2_max_batch_size)
+    if args.ct2:  # NAME -> CTranslate2 setting, e.g. "int8 2x1"
+        settings = {f"ct2 {c} {i}x{t}": (c, i, t, 0) for c, i, t in args.ct2}
+    else:
+        settings = {"ctranslate2": ("float32", args.ct2_inter_threads, args.threads, args.ct2_max_batch_size)}
+    ct2 = {name: CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, intra, inter, chunk, compute)
+           for name, (compute, inter, intra, chunk) in settings.items()}
     ours = {beam: SavedModelTranslator(args.saved_model, signature) for beam, signature in DECODINGS}
     same_sources = source_ids_identical(args.saved_model, sources, sp, max_source_length)
+    layouts = "; ".join(f"{name}: compute_type {c}, inter_threads {i}, intra_threads {t}, max_batch_size "
+                        f"{b or 'batch / inter_threads'}" for name, (c, i, t, b) in settings.items())
     print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}, CTranslate2 {ctranslate2.__version__}; "
-          f"{len(sources)} sentences of {args.split}; CTranslate2 intra_threads {args.threads}, inter_threads "
-          f"{args.ct2_inter_threads}, max_batch_size {args.ct2_max_batch_size}; {tf_threads}; "
+          f"{len(sources)} sentences of {args.split}; {layouts}; {tf_threads}; "
           f"CTranslate2 length penalty "
           f"{length_penalty:.3f} (ours: alpha {args.alpha}; median reference length {median_length:g} pieces); "
           f"source ids identical: {same_sources} of {len(sources)}; load average {load_at_start[0]:.2f}", flush=True)
@@ -380,14 +412,15 @@ def run_compare(args) -> int:
     for beam in ours:
         for batch_size in batch_sizes:
             texts = sources[:args.batch1_limit] if batch_size == 1 else sources
-            fns = {"ours": ours[beam], "ctranslate2": functools.partial(ct2.translate, beam_size=beam)}
+            fns = {"ours": ours[beam],
+                   **{name: functools.partial(c.translate, beam_size=beam) for name, c in ct2.items()}}
             warm_up = {}  # one full pass each: an export with --xla-max-batch compiles once per input shape
             seconds, outputs[(beam, batch_size)] = time_alternating(fns, texts, batch_size, args.repeats, warm_up)
             medians = {name: statistics.median(s) for name, s in seconds.items()}
             row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
                    **{f"{name}_seconds": [round(s, 2) for s in seconds[name]] for name in fns},
                    **{f"{name}_sentences_per_s": round(len(texts) / medians[name], 1) for name in fns},
-                   "ratio_ours_over_ctranslate2": round(medians["ctranslate2"] / medians["ours"], 2),
+                   **{f"ratio_ours_over_{name}": round(medians[name] / medians["ours"], 2) for name in ct2},
                    "warm_up_s": {name: round(t, 2) for name, t in warm_up.items()}}
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -395,25 +428,40 @@ def run_compare(args) -> int:
     quality = {}
     for beam in ours:
         hyps = outputs[(beam, max(batch_sizes))]
-        same = sum(a == b for a, b in zip(hyps["ours"], hyps["ctranslate2"]))
         quality[decoding_name(beam)] = {
-            "identical": same, "sentences": len(hyps["ours"]),
+            "sentences": len(hyps["ours"]),
+            **{f"identical_{name}": sum(a == b for a, b in zip(hyps["ours"], hyps[name])) for name in ct2},
             **{f"{name}_bleu": round(sacrebleu.corpus_bleu(h, [references[:len(h)]]).score, 2)
                for name, h in hyps.items()}}
-    greedy_ok = quality["greedy"]["identical"] >= GREEDY_IDENTITY_GOAL * quality["greedy"]["sentences"]
+    # Identity is a property of the conversion, so it is asked of the float32 settings only.
+    exact = [name for name, setting in settings.items() if setting[0] == "float32"]
+    greedy = quality["greedy"]
+    greedy_ok = all(greedy[f"identical_{name}"] >= GREEDY_IDENTITY_GOAL * greedy["sentences"] for name in exact)
     if args.outputs:
         write_outputs(Path(args.outputs), {beam: outputs[(beam, max(batch_sizes))] for beam in ours})
 
-    print("\n| decoding | batch | sentences | ours sent/s | CTranslate2 sent/s | ours / CTranslate2 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"\n| decoding | batch | sentences | ours sent/s | {' | '.join(f'{n} sent/s' for n in ct2)} | "
+          f"{' | '.join(f'ours / {n}' for n in ct2)} |")
+    print("|---|---:|---:|---:|" + "---:|" * (2 * len(ct2)))
     for r in results:
-        print(f"| {decoding_name(r['beam'])} | {r['batch_size']} | "
-              f"{r['sentences']} | {r['ours_sentences_per_s']} | {r['ctranslate2_sentences_per_s']} | "
-              f"{r['ratio_ours_over_ctranslate2']}x |")
-    for name, q in quality.items():
-        print(f"{name}: identical {q['identical']} of {q['sentences']}; sacreBLEU ours {q['ours_bleu']}, "
-              f"CTranslate2 {q['ctranslate2_bleu']}")
-    print(f"Greedy identity goal (>= {GREEDY_IDENTITY_GOAL:.0%}): {'met' if greedy_ok else 'NOT met'}")
+        print(f"| {decoding_name(r['beam'])} | {r['batch_size']} | {r['sentences']} | {r['ours_sentences_per_s']} | "
+              + " | ".join(str(r[f"{n}_sentences_per_s"]) for n in ct2) + " | "
+              + " | ".join(f"{r[f'ratio_ours_over_{n}']}x" for n in ct2) + " |")
+    compute_types = sorted({setting[0] for setting in settings.values()})
+    if len(ct2) > 1:  # issue 27's goal is against each compute type at its fastest thread setting
+        print("\nAgainst each compute type at its fastest setting (per row):")
+        for r in results:
+            best = {c: max((n for n in ct2 if settings[n][0] == c), key=lambda n: r[f"{n}_sentences_per_s"])
+                    for c in compute_types}
+            r["ratio_ours_over_best"] = {c: r[f"ratio_ours_over_{n}"] for c, n in best.items()}
+            print(f"  {decoding_name(r['beam'])}, batch {r['batch_size']}: "
+                  + ", ".join(f"ours / {c} = {r[f'ratio_ours_over_{n}']}x ({n})" for c, n in best.items()))
+    for decoding, q in quality.items():
+        print(f"{decoding}: sacreBLEU ours {q['ours_bleu']}, "
+              + ", ".join(f"{n} {q[f'{n}_bleu']} (identical to ours: {q[f'identical_{n}']} of {q['sentences']})"
+                          for n in ct2))
+    if exact:
+        print(f"Greedy identity goal (>= {GREEDY_IDENTITY_GOAL:.0%}, float32): {'met' if greedy_ok else 'NOT met'}")
 
     if args.json:
         summary = {
@@ -423,8 +471,8 @@ def run_compare(args) -> int:
             "ctranslate2": ctranslate2.__version__,
             "command": " ".join([sys.executable, *sys.argv]),
             "threads": args.threads,
-            "ct2_inter_threads": args.ct2_inter_threads,
-            "ct2_max_batch_size": args.ct2_max_batch_size,
+            "ct2_settings": {name: dict(zip(("compute_type", "inter_threads", "intra_threads", "max_batch_size"),
+                                            setting)) for name, setting in settings.items()},
             "tf_inter_op_threads": args.tf_inter_op_threads,
             "tf_intra_op_threads": args.tf_intra_op_threads or args.threads,
             "saved_model": str(args.saved_model),
@@ -480,6 +528,10 @@ def main(argv=None) -> int:
     m.add_argument("--ct2-max-batch-size", type=int, default=0, metavar="N",
                    help="CTranslate2 splits each batch into chunks of N sentences (default 0: no split); with "
                         "--ct2-inter-threads 2 --threads 1, a batch of 64 as 2 chunks of 32 at once")
+    m.add_argument("--ct2", action="append", type=parse_ct2_setting, metavar="TYPE:WORKERSxTHREADS",
+                   help="a CTranslate2 setting to time beside ours, e.g. int8:2x1 (2 workers of 1 thread, each "
+                        "batch split in two) or float32:1x2; repeat to alternate several in one run (replaces "
+                        "--ct2-inter-threads, --ct2-max-batch-size and CTranslate2's share of --threads)")
     m.add_argument("--json", help="also write the results here")
     m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
     args = p.parse_args(argv)
