@@ -310,7 +310,6 @@ class CTranslate2Texts:
         self.sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / TOKENIZER_FILENAME))
         self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=inter_threads)
-        self.compute_type = compute_type
         self.inter_threads = inter_threads
         self.max_batch_size = max_batch_size  # 0: split across the workers (or the whole batch with one worker)
         self.max_source_length = max_source_length
