@@ -75,9 +75,9 @@ split in two halves that run at once). Each row then also gives ours over
 the fastest setting of each compute type (issue 27, item 2). CTranslate2
 picks its matrix-product backend once per process: MKL on a GenuineIntel
 CPU, oneDNN elsewhere, or oneDNN everywhere with `CT2_USE_MKL=0`. Run the
-comparison both ways on an Intel CPU: on the 2-CPU KVM Xeon of BENCHMARKS.md,
-MKL with 2 threads decoded one sentence 5x slower than with 1, and oneDNN
-with 2 threads was its fastest float32 setting at batch 1.
+comparison both ways on an Intel CPU: the fastest thread layout can differ
+between the two (BENCHMARKS.md, "On the Intel Xeon with AMX, int8 and
+float32").
 Identity and sacreBLEU are of the largest batch size (64: all sentences;
 `--outputs DIR` writes both systems' translations). Keep the CPU line (model
 and avx2/avx512*/amx flags) with the figures; CT2_VERBOSE=1 makes CTranslate2
