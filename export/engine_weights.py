@@ -25,13 +25,14 @@ def engine_model(model, dtype=None, untie_output_projection=False):
         model: a built `keras_transformer.Transformer`.
         dtype: the Keras dtype policy of the copy: "bfloat16" (weights stored in bfloat16) rather than
             mixed_bfloat16 for a bfloat16 decode: the same bfloat16 matmuls, minus a cast of every
-            weight at every decoding step (8% of a step's time on CPU); "float32" for the XLA decoder;
+            weight at every decoding step (a visible part of a step's time on CPU; BENCHMARKS.md, "The
+            per-step weight casts"); "float32" for the XLA decoder;
             None: `model`'s own.
         untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
             becomes an untied `Dense` whose kernel is the embedding transposed, `[d_model, vocab]`,
             and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul reads them
             faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`: on a 2-core
-            EPYC, greedy at batch 1 1.21x, beam 4 at batch 1 1.17x, greedy at batch 8 1.08x, the same
+            EPYC, greedy and beam 4 decode faster at batch 1, greedy less so at batch 8, with the same
             tokens (BENCHMARKS.md, "The XLA decoder's output projection"). It costs the export one
             more `[d_model, vocab]` float32 variable.
 

@@ -119,12 +119,14 @@ def build_parser():
                         "(avx512_bf16/amx_bf16), but there a translation may depend on its batch. "
                         "model: the training policy")
     p.add_argument("--xla-max-batch", type=int, default=0, metavar="N",
-                   help="decode batches of at most N sentences with the search compiled by XLA in float32 (2.5x faster at "
-                        "batch 1 on CPU; each new input shape compiles once, 2-5 s). The model server must then "
-                        "run with --xla_cpu_compilation_enabled. Default 0: no XLA")
+                   help="decode batches of at most N sentences with the search compiled by XLA in float32 (faster at "
+                        "batch 1 on CPU, where the graph's step costs the dispatch of its many small ops; each new "
+                        "input shape compiles once, for seconds; BENCHMARKS.md, \"With small batches under XLA\"). "
+                        "The model server must then run with --xla_cpu_compilation_enabled. Default 0: no XLA")
     p.add_argument("--parallel-loops", default="auto", metavar="N",
-                   help="decode a batch in N loops at once, outside XLA (at batch 64 on 2 cores, with the flags that "
-                        "follow: greedy 1.7x, beam 4 1.6x faster than one loop on the same threads); "
+                   help="decode a batch in N loops at once, outside XLA (one loop keeps about one core busy: at batch "
+                        "64 on 2 cores, with the flags that follow, greedy and beam 4 decode faster than one loop on "
+                        "the same threads; BENCHMARKS.md, \"Two decoding loops per batch\"); "
                         "serve with --tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1. "
                         "Default auto: one per CPU of THIS machine, at most 8")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",

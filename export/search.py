@@ -303,7 +303,8 @@ def _prepare(model, source_ids, max_length):
         [tf.shape(source_ids)[0]])
     if in_xla_context():
         # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
-        # from the data, and buffers sized by it made the compiled loop 8x slower (greedy, batch 64).
+        # from the data, and buffers sized by it made the compiled loop much slower (greedy, batch 64;
+        # BENCHMARKS.md, "With small batches under XLA").
         steps = tf.cast(output_bound(model, tf.shape(source_ids)[1], max_length), tf.int32)
     else:
         steps = tf.reduce_max(tf.concat([limits, [1]], axis=0))  # 1 for an empty batch
@@ -358,10 +359,12 @@ def _top_k(values, n):
     """`tf.math.top_k(values, n)` of `[rows, vocab]`: the n largest of each row and their ids, best
     first, ties to the lower id.
 
-    TF's CPU TopK costs ~3 ns per element whatever n is: 8.5 ms a step over
-    [320, 8000] (beam 4 at batch 64, Multi30k's vocabulary). The n largest
-    lie in the n blocks with the largest maxima, so top_k runs over the block
-    maxima, then over those n blocks only: 2.0-2.5 ms, and exact.
+    TF's CPU TopK costs the same per element whatever n is, so over
+    [320, 8000] (beam 4 at batch 64, Multi30k's vocabulary) it is a costly
+    part of a step. The n largest lie in the n blocks with the largest maxima,
+    so top_k runs over the block maxima, then over those n blocks only:
+    several times faster, and exact (BENCHMARKS.md, "Beam search without
+    [hypotheses, vocab] passes").
     """
     block = _block_length(values.shape[-1], n)
     if block is None:
@@ -538,9 +541,9 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
     i mod num_loops, so the loops of a length-sorted batch get sentences of
     the same lengths and end together. Give the session N inter-op threads
     and 1 intra-op thread: served on a 2-core EPYC at batch 64, side by side
-    on those threads, 2 loops decoded 1.7x (greedy) and 1.6x (beam 4) faster
-    than one loop; on TensorFlow's default threads (2 of each) they gained
-    little (0.93x, 1.13x): each loop's matmuls then wait for intra-op
+    on those threads, 2 loops decoded faster than one loop, greedy and beam 4;
+    on TensorFlow's default threads (2 of each) they gained
+    little: each loop's matmuls then wait for intra-op
     threads the other loop holds (BENCHMARKS.md, "Two decoding loops per
     batch"). Under XLA the whole search is one compiled program:
     `search(source_ids)` itself.

@@ -225,11 +225,12 @@ def _attend_one_position(query, key, value, mask):
     The products run on Eigen's batched matmul in float32 (`eigen_batch_matmul`: oneDNN's
     pays a fixed cost for each of the step's ~100 one-row products); scores, weights and
     output are rounded to `value`'s dtype where the full pass rounds them. The softmax is
-    written out: oneDNN's softmax kernel costs ~40 us a call on a
-    2-core EPYC whatever its size, a tenth of a batch-1 decoding step for 6 attentions.
-    Elementwise products and sums were 3-5x cheaper at batch 1, but a
+    written out: oneDNN's softmax kernel pays a fixed cost a call on a
+    2-core EPYC whatever its size, a visible part of a batch-1 decoding step for 6 attentions.
+    Elementwise products and sums were several times cheaper at batch 1, but a
     sentence's result then depended on its batch (the cheaper form pays only below a size)
-    and the cached step no longer equalled the full pass token for token.
+    and the cached step no longer equalled the full pass token for token (BENCHMARKS.md,
+    "Again after cutting the ops of a step").
     Returns the output and the weights.
     """
     # Scores and weights are rounded to the layer's dtype, as the full pass's matmuls round them: in

@@ -27,9 +27,10 @@ def eigen_batch_matmul(x, y, adjoint_b=False):
     oneDNN graph pass rewrites the `BatchMatMulV2` that `tf.matmul` emits into
     `_MklBatchMatMulV2`, which pays a fixed cost per matrix: a decoding step's
     attention is some 100 one-row products per call, and those calls were a
-    fifth of a greedy step at 32 rows on a 2-core EPYC (avx512_bf16), 76 us
-    each. The pass leaves float32 `BatchMatMulV3` to Eigen, which ran them
-    about 5x faster there (2.1-2.6x counting the casts to float32).
+    large share of a greedy step at 32 rows on a 2-core EPYC (avx512_bf16).
+    The pass leaves float32 `BatchMatMulV3` to Eigen, which ran them several
+    times faster there, and still faster counting the casts to float32
+    (BENCHMARKS.md, "Attention on Eigen's batched matmul").
     `BatchMatMulV3` is a core op, so the stock TF Serving binary runs it.
     """
     x, y = tf.cast(x, tf.float32), tf.cast(y, tf.float32)

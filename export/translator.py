@@ -48,19 +48,20 @@ and `greedy` decode a batch of at most N sentences with the same search
 compiled by XLA (`tf.function(jit_compile=True)`) in float32, and larger
 batches with the graph decoder. A small batch's step is a few MFLOP spread
 over some 300 ops, so it costs the executor's dispatch of each op; XLA runs
-the whole loop as one compiled program (2.2-2.6x faster than the graph at
+the whole loop as one compiled program (much faster than the graph at
 batch 1; BENCHMARKS.md, "With small batches under XLA").
 At batch 64 XLA is no faster (greedy) or slower (beam search: every row stays
 in its fixed-shape loop until the last sentence ends), hence the threshold.
 XLA compiles once per input shape, so the source is padded to a multiple of
 `XLA_LENGTH_MULTIPLE` tokens and the batch to a power of two (or N): at most
-a few dozen shapes, each compiled on first use (2-5 s). Float32, because in
-bfloat16 the compiled search gave a sentence a different translation in a
-batch of 3 than alone (XLA rounds bfloat16 differently per shape); float32 is
-9% slower there at batch 1. It runs `engine_model(model, "float32",
-untie_output_projection=True)`, whose output projection is stored
-`[d_model, vocab]`, the layout XLA's CPU matmul reads fastest. TF Serving
-runs it only when started with `--xla_cpu_compilation_enabled`.
+a few dozen shapes, each compiled on first use (for seconds; same section).
+Float32, because in bfloat16 the compiled search gave a sentence a different
+translation in a batch of 3 than alone (XLA rounds bfloat16 differently per
+shape); float32 is a little slower there at batch 1 (same section). It runs
+`engine_model(model, "float32", untie_output_projection=True)`, whose output
+projection is stored `[d_model, vocab]`, the layout XLA's CPU matmul reads
+fastest. TF Serving runs it only when started with
+`--xla_cpu_compilation_enabled`.
 
 With `parallel_loops` N > 1 (`kt-export --parallel-loops`; by default the
 exporting machine's CPUs, at most 8), the graph decoder splits a batch into N

@@ -1,9 +1,12 @@
 """The layout's dependency rules: the library and the export never import training/, the library imports
-without TensorFlow on the other backends, and nothing but the kt-train CLI imports training/train.py."""
+without TensorFlow on the other backends, and nothing but the kt-train CLI imports training/train.py. And no
+measured figure in the code: BENCHMARKS.md holds them (issue 44)."""
 
 import ast
+import re
 import subprocess
 import sys
+import tokenize
 
 from conftest import REPO, SUBPROCESS_ENV, run_on_backend
 
@@ -69,3 +72,55 @@ def test_only_the_cli_imports_training_train():
         if names:
             importers[str(path.relative_to(REPO))] = sorted(names)
     assert importers == {}
+
+
+# A measured figure: a ratio (`2.5x`, `1.7×`, `0.84x`, `2.1-2.6x`, `5x faster`, `3-5x cheaper`, `2 times
+# slower`), a duration written as a number (`40-100 s`, `2-5 s`, `8.5 ms`, `~40 us`, `100-second`), or a
+# percentage that is a speed or a share of the time (`9% slower`, `8% of a step's time`).
+_COMPARATIVE = r"(?:faster|slower|cheaper|dearer|quicker|longer|shorter|the\s+speed|as\s+fast)"
+_RANGE = r"(?<![\w.%:#])\d+(?:\.\d+)?(?:\s*[-–]\s*\d+(?:\.\d+)?)?"  # not in a word, a hex literal or a format spec
+MEASURED_FIGURE = re.compile(
+    r"\d\s*×"  # any N×: the sign is a ratio (shapes here are written with x)
+    r"|(?<![\w.%:#])\d+\.\d+(?:\s*[-–]\s*\d+(?:\.\d+)?)?\s?x(?!\w)"  # N.Nx, N.N-M.Mx
+    r"|" + _RANGE + r"\s?x\s+" + _COMPARATIVE +  # Nx faster, N-Mx cheaper (a bare integer `4x` may be a shape)
+    r"|" + _RANGE + r"\s+times\s+" + _COMPARATIVE +
+    r"|" + _RANGE + r"[\s-]?(?:s|secs?|seconds?|ms|µs|us|ns|min|minutes?|hours?)\b"  # 2-5 s, 8.5 ms, 100-second
+    r"|" + _RANGE + r"\s?%\s+(?:" + _COMPARATIVE + r"|of\s+(?:a|an|the|each)\s+[\w' -]*?time)")
+
+
+def _prose(path):
+    """(line number, text) of every comment and string literal of a Python file: docstrings and --help texts
+    are string literals. The replacement fields of f-strings are blanked (newlines kept): they are code."""
+    with tokenize.open(path) as f:
+        tokens = list(tokenize.generate_tokens(f.readline))
+    prose = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+    for tok in tokens:
+        if tok.type in prose:
+            text = tok.string
+            if tok.type == tokenize.STRING and re.match(r"(?i)[rbu]*f", text):
+                text = re.sub(r"\{[^{}]*\}", lambda m: "{" + "\n" * m.group().count("\n") + "}", text)
+            yield tok.start[0], text
+
+
+def test_no_measured_figure_in_code():
+    """Issue 44: no timing in code. Docstrings, comments and --help texts give the reason (what is faster or
+    slower, and why) and point to the BENCHMARKS.md section that holds the figure: a figure in the code goes
+    stale with the next benchmark, and BENCHMARKS.md is the one place that dates it and says how it was run.
+
+    The rule: in every .py file of keras_transformer/, training/ and export/, only comments and string
+    literals are read, so code (`timeout=600`, `time.sleep(0.5)`) is never flagged: a number in code is a
+    setting, not a claim. The replacement fields of f-strings are blanked (`f"{elapsed:.1f}s"` and
+    `f"in {t:.0f} s"` print a time, they do not state one). In what is left, `MEASURED_FIGURE` flags a ratio
+    (`N×`, `N.Nx`, `N.N-M.Mx`, `Nx` or `N-Mx` followed by faster/slower/cheaper..., `N times slower`), a
+    duration written as a number (`N s`, `N-M s`, `N.N ms`, `N us`, `N ns`, `N-second`, minutes, hours) and a
+    percentage of speed or time (`N% slower`, `N% of a step's time`). Not flagged: a bare integer `Nx`
+    (`[batch, 4x...]` is a shape), `NxM`, hex (`0x1f`), format specs (`%02x`, `:.1f`), a bare `x`.
+    A failure lists file:line and the line."""
+    findings = []
+    for folder in ("keras_transformer", "training", "export"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for first_line, text in _prose(path):
+                lines = text.split("\n")
+                flagged = {text.count("\n", 0, m.start()) for m in MEASURED_FIGURE.finditer(text)}
+                findings += [f"{path.relative_to(REPO)}:{first_line + i}: {lines[i].strip()}" for i in sorted(flagged)]
+    assert findings == [], "measured figures (give the reason, point to BENCHMARKS.md):\n" + "\n".join(findings)

@@ -85,7 +85,8 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     # No autotuning thread: deleting an iterator (Keras does, every epoch and every
     # validation) waits for that thread's next wake-up, up to a minute once the
-    # iterator is old; that cost 40-100 s in some 100-second Multi30k epochs.
+    # iterator is old; that left some Multi30k epochs idle for up to as long as
+    # their work took (BENCHMARKS.md, "Input pipeline: iterator deletion").
     # The map and prefetch still run in parallel.
     options.autotune.enabled = False
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
