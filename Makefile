@@ -73,22 +73,36 @@ else
 test-torch: venv-torch
 endif
 
-# The README's main command, Multi30k SRC->TGT end to end: train with configs/multi30k.json (small preset,
-# 22 epochs on any machine), average the last 5 epoch checkpoints, score beam search on test_2016_flickr
-# with sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English.
+# The README's main command, Multi30k SRC->TGT end to end: train with CONFIG (configs/multi30k.json: small preset,
+# 22 epochs on any machine), average the last epoch checkpoints, score beam search on test_2016_flickr with
+# sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English;
+# `make train CONFIG=configs/multi30k-best.json` for the best recipe (runs/multi30k-best-en-de). How many
+# checkpoints are averaged, the beam and alpha come from the config (average_last, beam_size, alpha); AVG, BEAM
+# and ALPHA on the make line override them. Run it again after an interruption: training resumes from its
+# backup, and a run whose model.keras exists is not trained again.
 SRC ?= en
 TGT ?= de
-RUN ?= runs/$(SRC)-$(TGT)
-BEAM ?= 4
-ALPHA ?= 1.0
+CONFIG ?= configs/multi30k.json
+RECIPE := $(basename $(notdir $(CONFIG)))
+RUN_NAME := $(if $(filter multi30k,$(RECIPE)),,$(RECIPE)-)$(SRC)-$(TGT)
+RUN ?= runs/$(RUN_NAME)
+EXPORT ?= exports/$(RUN_NAME)
+AVG ?=
+BEAM ?=
+ALPHA ?=
+SEARCH_FLAGS = $(if $(BEAM),--beam-size $(BEAM)) $(if $(ALPHA),--alpha $(ALPHA))
 
 train: venv
-	$(PY) -m training.train --config configs/multi30k.json --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN)
-	$(PY) -m training.average_checkpoints --model-dir $(RUN) --last 5
+	@if [ -f $(RUN)/model.keras ]; then \
+		echo "make train: $(RUN)/model.keras exists, so its training is done (delete it, or set RUN, to train again)"; \
+	else \
+		$(PY) -m training.train --config $(CONFIG) --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN); \
+	fi
+	$(PY) -m training.average_checkpoints --model-dir $(RUN) $(if $(AVG),--last $(AVG))
 	$(PY) -m training.evaluate --model-dir $(RUN) --model-file $(RUN)/averaged.keras --split test_2016_flickr \
-		--beam-size $(BEAM) --alpha $(ALPHA)
-	$(PY) -m export.export_model --model-dir $(RUN) --model-file $(RUN)/averaged.keras --export-dir exports/$(SRC)-$(TGT) \
-		--beam-size $(BEAM) --alpha $(ALPHA)
+		$(SEARCH_FLAGS)
+	$(PY) -m export.export_model --model-dir $(RUN) --model-file $(RUN)/averaged.keras --export-dir $(EXPORT) \
+		$(SEARCH_FLAGS)
 
 # The README figures of a run: `make plots RUN=runs/en-de` writes docs/images/{lr_schedule,loss,attention}.png.
 SOURCE ?= A man in an orange hat starring at something.

@@ -37,7 +37,8 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
-from export.translator import decode_loops, decode_policy  # noqa: E402
+from export.translator import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
+from export.translator import read_config, recorded_setting  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -109,8 +110,10 @@ def build_parser():
     p.add_argument("--name", default="translator", help="model name (TF Serving's --model_name; default translator)")
     p.add_argument("--version", type=int, help="version number (default: next free integer)")
     p.add_argument("--model-file", help="another .keras file in place of MODEL_DIR/model.keras (e.g. averaged)")
-    p.add_argument("--beam-size", type=int, default=4, help="beam size of serving_default (default 4)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent (default 0.6)")
+    p.add_argument("--beam-size", type=int, help="beam size of serving_default (default: the one kt-train --beam-size "
+                   f"recorded in config.json, else {DEFAULT_BEAM_SIZE})")
+    p.add_argument("--alpha", type=float, help="length penalty exponent (default: the one kt-train --alpha recorded "
+                   f"in config.json, else {DEFAULT_ALPHA})")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -145,6 +148,13 @@ def main(argv=None) -> int:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
         parser.error(f"--parallel-loops must be a number >= 1 or auto, got {args.parallel_loops!r}")
+    try:
+        config = read_config(args.model_dir)
+    except FileNotFoundError as e:
+        print(f"kt-export: error: {e}", file=sys.stderr)
+        return 2
+    args.beam_size = recorded_setting(config, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
+    args.alpha = recorded_setting(config, "alpha", args.alpha, DEFAULT_ALPHA)
     t0 = time.time()
     policy, reason = decode_policy(args.precision)
     print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)

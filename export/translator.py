@@ -138,6 +138,21 @@ def read_config(model_dir) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+# The search settings of kt-evaluate and kt-export when neither the command line nor the run's config.json
+# (kt-train's --beam-size and --alpha) sets them.
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_ALPHA = 0.6
+
+
+def recorded_setting(config: dict, key: str, given=None, default=None):
+    """`given` (a command-line value) if it is not None, else what kt-train recorded for the commands
+    that follow it (config.json's "training": "beam_size", "alpha", "average_last"), else `default`."""
+    if given is not None:
+        return given
+    recorded = config.get("training", {}).get(key)
+    return default if recorded is None else recorded
+
+
 def load_model_dir(model_dir, model_file=None, weights=None):
     """(model, tokenizer, config) from a directory written by kt-train.
 

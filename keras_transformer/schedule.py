@@ -49,17 +49,18 @@ class PaperAdam(keras.optimizers.Adam):
     """
 
 
-def paper_adam(d_model, warmup_steps=4000, scale=1.0, **kwargs):
+def paper_adam(d_model, warmup_steps=4000, scale=1.0, *, epsilon=1e-9, **kwargs):
     """Adam with the paper's settings (section 5.3): beta_1 0.9, beta_2 0.98,
     epsilon 1e-9, and `TransformerSchedule(d_model, warmup_steps, scale)`.
 
-    Other keyword arguments go to `keras.optimizers.Adam`, e.g.
-    `gradient_accumulation_steps=4` or `clipnorm=1.0`. Returns a `PaperAdam`.
+    `epsilon` may be changed (fairseq's Adam uses 1e-8). Other keyword
+    arguments go to `keras.optimizers.Adam`, e.g.
+    `gradient_accumulation_steps=4` or `global_clipnorm=25.0`. Returns a `PaperAdam`.
     """
     return PaperAdam(
         learning_rate=TransformerSchedule(d_model, warmup_steps, scale),
         beta_1=0.9,
         beta_2=0.98,
-        epsilon=1e-9,
+        epsilon=epsilon,
         **kwargs,
     )

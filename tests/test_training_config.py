@@ -42,6 +42,52 @@ def test_the_learning_rate_scale_reaches_the_optimizers_schedule(argv, scale):
     assert schedule == {"d_model": 32, "warmup_steps": 200, "scale": scale}
 
 
+@pytest.mark.parametrize("argv, epsilon, clip", [
+    ([], 1e-9, None),  # the paper's Adam, no clipping: the default is unchanged
+    (["--adam-epsilon", "1e-8", "--global-clipnorm", "25"], 1e-8, 25.0),  # fairseq's defaults
+])
+def test_kt_trains_optimizer_has_the_configured_epsilon_and_global_clip(argv, epsilon, clip):
+    import keras_transformer as kt
+    from training.fit import compile_model
+
+    cfg = resolve_config(["--preset", "tiny", *argv])
+    model = kt.Transformer.from_preset("tiny", vocab_size=40)
+    compile_model(model, cfg)
+    config = model.optimizer.get_config()
+    assert config["epsilon"] == epsilon and config["global_clipnorm"] == clip
+    assert config["clipnorm"] is None  # the global norm, not Keras' per-variable clipnorm
+    assert (config["beta_1"], config["beta_2"]) == (0.9, 0.98)
+
+
+def test_settings_out_of_range_are_one_clear_error(tmp_path):
+    from training.config import check_settings
+    from training.errors import ConfigError
+
+    check_settings(resolve_config([]))
+    for argv, words in ((["--adam-epsilon", "0"], "--adam-epsilon"), (["--global-clipnorm", "-1"], "--global-clipnorm"),
+                        (["--max-updates", "0"], "--max-updates"), (["--average-last", "0"], "--average-last")):
+        with pytest.raises(ConfigError, match=words):
+            check_settings(resolve_config(argv))
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"epochs": None}))
+    with pytest.raises(ConfigError, match="needs max_updates"):
+        check_settings(resolve_config(["--config", str(f)]))
+    check_settings(resolve_config(["--config", str(f), "--max-updates", "10"]))
+
+
+def test_shipped_best_recipe_is_the_anchors():
+    """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (issue 41)."""
+    cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k-best.json")])
+    assert cfg["model"] == {"d_model": 128, "num_heads": 4, "d_ff": 256, "num_encoder_layers": 4,
+                            "num_decoder_layers": 4, "dropout": 0.3}
+    assert cfg["max_updates"] == 8060 and cfg["epochs"] is None and cfg["max_minutes"] is None
+    assert (cfg["adam_epsilon"], cfg["global_clipnorm"], cfg["label_smoothing"]) == (1e-8, 25.0, 0.1)
+    # Peak learning rate 0.005 at update 2,000: scale * (d_model * warmup) ** -0.5.
+    assert cfg["warmup_steps"] == 2000
+    assert cfg["learning_rate_scale"] * (128 * 2000) ** -0.5 == pytest.approx(0.005, rel=0.01)
+    assert (cfg["average_last"], cfg["beam_size"], cfg["alpha"]) == (10, 5, 1.0)
+
+
 @needs_multi30k
 def test_mixed_precision_training(tmp_path):
     import keras
@@ -83,6 +129,8 @@ def test_shipped_multi30k_recipe_is_defined_by_work_not_wall_time():
     assert cfg["preset"] == "small" and cfg["mixed_precision"] == "auto"
     assert cfg["epochs"] == 22 and cfg["max_minutes"] is None and cfg["steps_per_epoch"] is None
     assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
+    assert (cfg["average_last"], cfg["beam_size"], cfg["alpha"]) == (5, 4, 1.0)  # what `make train` always ran
+    assert cfg["adam_epsilon"] is None and cfg["global_clipnorm"] is None and cfg["max_updates"] is None
 
 
 @needs_multi30k

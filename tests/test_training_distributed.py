@@ -6,6 +6,7 @@ strategies must be set up before TensorFlow initializes its devices.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -154,12 +155,16 @@ def _read_meta(path):
 
 
 @needs_multi30k
-def test_sigkill_mid_epoch_then_resume(tmp_path):
+@pytest.mark.parametrize("max_updates", [None, 75])
+def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
+    """Killed in epoch 2, the same command resumes from the backup and ends where an uninterrupted run
+    ends: after the planned epochs, or at update 75 (in the middle of epoch 3) with --max-updates 75."""
     src, tgt = _small_corpus(tmp_path)
     model_dir = tmp_path / "run"
     epochs, steps = 3, 30
+    limit = ["--max-updates", str(max_updates)] if max_updates else []
     cmd = _train_cmd(model_dir, src, tgt, "--epochs", str(epochs), "--steps-per-epoch", str(steps),
-                     "--backup-every", "5")
+                     "--backup-every", "5", *limit)
     meta_path = model_dir / "backup" / "training_metadata.json"
     log1 = open(tmp_path / "run1.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
@@ -190,17 +195,23 @@ def test_sigkill_mid_epoch_then_resume(tmp_path):
     assert (f"[kt-train] resumed from backup: epoch {killed_at['epoch'] + 1} "
             f"(backup taken after batch {killed_at['batch']} of it), optimizer step {killed_at['step']}") in out
     summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
-    # Only the remaining epochs ran, starting with the interrupted one ...
-    assert summary["epochs_run"] == list(range(killed_at["epoch"] + 1, epochs + 1))
-    # ... continuing the optimizer's step count from the backup.
-    assert summary["optimizer_steps"] == killed_at["step"] + (epochs - killed_at["epoch"]) * steps
-    # Every planned epoch is in the history (first run + resumed run), none lost.
+    # Keras restarts the interrupted epoch from its first batch, with the optimizer's step count of the backup.
+    if max_updates:  # ... and stops at the same update as an uninterrupted run, in whichever epoch that falls
+        last_epoch = killed_at["epoch"] + math.ceil((max_updates - killed_at["step"]) / steps)
+        assert summary["optimizer_steps"] == max_updates and summary["stopped_by_max_updates"]
+    else:  # ... and runs the planned epochs
+        last_epoch = epochs
+        assert summary["optimizer_steps"] == killed_at["step"] + (epochs - killed_at["epoch"]) * steps
+        assert not summary["stopped_by_max_updates"]
+    # Only the remaining epochs ran, starting with the interrupted one.
+    assert summary["epochs_run"] == list(range(killed_at["epoch"] + 1, last_epoch + 1))
+    # Every epoch is in the history (first run + resumed run), none lost.
     rows = (model_dir / "history.csv").read_text().strip().splitlines()[1:]
-    assert sorted(int(r.split(",")[0]) for r in rows) == list(range(epochs))
+    assert sorted(int(r.split(",")[0]) for r in rows) == list(range(last_epoch))
     assert (model_dir / "model.keras").exists()
     assert not (model_dir / "backup").exists()  # removed after a finished run
     assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
-        f"epoch-{e:03d}.weights.h5" for e in range(1, epochs + 1)]
+        f"epoch-{e:03d}.weights.h5" for e in range(1, last_epoch + 1)]
 
 
 # ---------------------------------------------------------------------------

@@ -110,7 +110,8 @@ def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypat
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
-    """A tiny model trained for 3 short epochs on a slice of Multi30k (in-process)."""
+    """A tiny model trained on a slice of Multi30k (in-process): epochs of 8 updates, stopped by --max-updates
+    20 in the middle of the third, with the settings of the commands after training recorded."""
     from training.config import resolve_config
     from training.fit import train
 
@@ -119,7 +120,8 @@ def trained_dir(tmp_path_factory):
     tgt = _write(d / "train.de", _lines("train.de", 400))
     cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(d / "run"),
                           "--vocab-size", "400", "--tokens-per-batch", "500", "--max-length", "40",
-                          "--epochs", "3", "--steps-per-epoch", "8", "--warmup-steps", "20",
+                          "--epochs", "5", "--steps-per-epoch", "8", "--max-updates", "20", "--warmup-steps", "20",
+                          "--average-last", "2", "--beam-size", "3", "--alpha", "0.8",
                           "--no-validation", "--verbose", "0"])
     train(cfg)
     return d / "run"
@@ -135,6 +137,19 @@ def test_model_dir_has_everything(trained_dir):
     assert sorted(p.name for p in (trained_dir / "checkpoints").iterdir()) == [
         "epoch-001.weights.h5", "epoch-002.weights.h5", "epoch-003.weights.h5"]
     assert any((trained_dir / "logs" / "train").iterdir())  # TensorBoard events
+
+
+def test_max_updates_stops_in_the_middle_of_an_epoch_and_records_the_batches(trained_dir):
+    """--max-updates 20 with epochs of 8: the run stops after update 20, in epoch 3, which still ends as an
+    epoch (history row and checkpoint); config.json records what a batch held, as kt-train printed it."""
+    cfg = json.loads((trained_dir / "config.json").read_text())
+    assert cfg["last_run"]["optimizer_steps"] == 20 and cfg["last_run"]["stopped_by_max_updates"]
+    assert cfg["last_run"]["epochs_run"] == [1, 2, 3]
+    rows = (trained_dir / "history.csv").read_text().strip().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == [0, 1, 2]
+    batches = cfg["batches"]
+    assert 0 < batches["target_tokens"] <= batches["padded_target_tokens"] <= 500  # --tokens-per-batch
+    assert batches["target_tokens_per_update"] == round(batches["target_tokens"])
 
 
 def test_evaluate_decodes_like_direct_decoding(trained_dir, tmp_path, capsys):
@@ -194,6 +209,36 @@ def test_average_checkpoints(trained_dir):
     assert max(float(np.abs(a - b).max()) for a, b in zip(w2, w3)) > 1e-4  # checkpoints differ
     for a, b, m in zip(w2, w3, avg):
         np.testing.assert_allclose(m, (a.astype(np.float64) + b) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained_dir, tmp_path, capsys):
+    """kt-train --average-last 2 --beam-size 3 --alpha 0.8 (a recipe's config): kt-average-checkpoints and
+    kt-evaluate use them when their own flags are not given; their flags still win."""
+    import keras
+
+    import keras_transformer  # noqa: F401
+    from training.average_checkpoints import main as average
+    from training.evaluate import main as evaluate
+
+    assert average(["--model-dir", str(trained_dir), "--output", str(tmp_path / "recorded.keras")]) == 0
+    assert "epoch-002.weights.h5, epoch-003.weights.h5 ->" in capsys.readouterr().out
+    assert average(["--model-dir", str(trained_dir), "--last", "2", "--output", str(tmp_path / "two.keras")]) == 0
+    assert average(["--model-dir", str(trained_dir), "--last", "3", "--output", str(tmp_path / "three.keras")]) == 0
+    assert "Averaged 3 checkpoint(s)" in capsys.readouterr().out
+    recorded = keras.models.load_model(tmp_path / "recorded.keras", compile=False).get_weights()
+    two = keras.models.load_model(tmp_path / "two.keras", compile=False).get_weights()
+    for a, b in zip(recorded, two):
+        np.testing.assert_array_equal(a, b)
+
+    src = _write(tmp_path / "src.en", _lines("test_2016_flickr.en", 3))
+    ref = _write(tmp_path / "ref.de", _lines("test_2016_flickr.de", 3))
+    common = ["--model-dir", str(trained_dir), "--source-file", str(src), "--references", str(ref)]
+    assert evaluate(common + ["--output", str(tmp_path / "recorded.de")]) == 0
+    scores = json.loads((tmp_path / "recorded.de.scores.json").read_text())
+    assert (scores["beam_size"], scores["alpha"]) == (3, 0.8)
+    assert evaluate(common + ["--beam-size", "1", "--alpha", "0.6", "--output", str(tmp_path / "flags.de")]) == 0
+    scores = json.loads((tmp_path / "flags.de.scores.json").read_text())
+    assert (scores["beam_size"], scores["alpha"]) == (1, 0.6)
 
 
 def test_average_checkpoints_of_a_run_without_model_keras(trained_dir, tmp_path, capsys):

@@ -31,9 +31,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
-from export.translator import MODEL_FILENAME, read_config  # noqa: E402
+from export.translator import MODEL_FILENAME, read_config, recorded_setting  # noqa: E402
 from training.config import CHECKPOINT_DIR  # noqa: E402
 
+# The paper averaged the last 5 checkpoints of its base models.
+DEFAULT_LAST = 5
 _EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
 
 
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     choice = p.add_mutually_exclusive_group()
-    choice.add_argument("--last", type=int, default=5, help="average the last N epoch checkpoints (default 5)")
+    choice.add_argument("--last", type=int, help="average the last N epoch checkpoints (default: the N that "
+                        f"kt-train --average-last recorded in config.json, else {DEFAULT_LAST})")
     choice.add_argument("--best", type=int, metavar="N",
                         help="average the N epoch checkpoints with the best validation score instead (see --by)")
     p.add_argument("--by", choices=sorted(SCORES), default="val_loss",
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
         return 2
+    args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_LAST)
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
         print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",

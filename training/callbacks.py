@@ -146,20 +146,57 @@ class TimeBudget(keras.callbacks.Callback):
                   flush=True)
 
 
-class EpochETA(keras.callbacks.Callback):
-    """After every epoch, one line: the epochs done, the time so far and an estimate of the time left.
+class UpdateBudget(keras.callbacks.Callback):
+    """Ends `fit` once the optimizer has made `max_updates` updates (fairseq's `--max-update`).
 
-    The estimate is the mean epoch time of this run so far times the epochs left
-    (of `epochs`, counting from the epoch a resumed run starts at), at most what
-    is left of a `max_minutes` time budget.
+    The check follows every batch, so the run stops in the middle of an epoch
+    if need be; Keras still ends that epoch as usual (validation, the epoch
+    checkpoint, history.csv). The count is the optimizer's own
+    (`optimizer.iterations`, which a backup restores, and which counts
+    accumulated batches once), so a resumed run stops at the same update.
+    `stopped_at` is the update count when this callback stopped training, else None.
     """
 
-    def __init__(self, epochs: int, max_minutes: float | None = None, clock=time.time):
+    def __init__(self, max_updates: int):
         super().__init__()
-        self.epochs, self.max_minutes, self.clock = epochs, max_minutes, clock
+        self.max_updates = max_updates
+        self.stopped_at = None
+
+    def updates(self) -> int:
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = self.updates()
+        if done >= self.max_updates and self.stopped_at is None:
+            self.model.stop_training = True
+            self.stopped_at = done
+            print(f"\n[kt-train] reached {done:,} of {self.max_updates:,} updates (--max-updates): "
+                  "stopping after this batch", flush=True)
+
+
+class EpochETA(keras.callbacks.Callback):
+    """After every epoch, one line: the epochs (and updates) done, the time so far and an estimate of the time left.
+
+    The estimate is this run's mean time per epoch times the epochs left (of
+    `epochs`, counting from the epoch a resumed run starts at); with
+    `max_updates`, its mean time per update times the updates left, where that
+    ends sooner; at most what is left of a `max_minutes` time budget.
+    `epochs` None: no epoch limit (`max_updates` is then required).
+    """
+
+    def __init__(self, epochs: int | None, max_minutes: float | None = None, clock=time.time,
+                 max_updates: int | None = None):
+        super().__init__()
+        if epochs is None and max_updates is None:
+            raise ValueError("EpochETA needs epochs or max_updates")
+        self.epochs, self.max_minutes, self.clock, self.max_updates = epochs, max_minutes, clock, max_updates
+
+    def _updates(self) -> int:
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_train_begin(self, logs=None):
         self.t0, self.first_epoch = self.clock(), None
+        self.first_update = self._updates() if self.max_updates else 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.first_epoch is None:
@@ -167,11 +204,18 @@ class EpochETA(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         elapsed = self.clock() - self.t0
-        left = (self.epochs - epoch - 1) * elapsed / (epoch + 1 - self.first_epoch)
+        lefts, done = [], f"epoch {epoch + 1}" + (f"/{self.epochs}" if self.epochs else "")
+        if self.epochs:
+            lefts.append((self.epochs - epoch - 1) * elapsed / (epoch + 1 - self.first_epoch))
+        if self.max_updates:
+            updates = self._updates()
+            done += f" (update {updates:,}/{self.max_updates:,})"
+            lefts.append(max(0, self.max_updates - updates) * elapsed / max(1, updates - self.first_update))
+        left = min(lefts)
         if self.max_minutes:
             left = max(0.0, min(left, self.max_minutes * 60 - elapsed))
         finish = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=left)
-        print(f"[kt-train] epoch {epoch + 1}/{self.epochs} done: {_minutes(elapsed)} so far, "
+        print(f"[kt-train] {done} done: {_minutes(elapsed)} so far, "
               f"about {_minutes(left)} left (ends around {finish:%H:%M} UTC)", flush=True)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from export.translator import CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID
+from training.errors import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
@@ -41,7 +42,10 @@ DEFAULTS = {
     "warmup_steps": 4000,
     "learning_rate_scale": 1.0,
     "label_smoothing": 0.1,
+    "adam_epsilon": None,
+    "global_clipnorm": None,
     "epochs": 10,
+    "max_updates": None,
     "max_minutes": None,
     "steps_per_epoch": None,
     "validation": True,
@@ -56,6 +60,10 @@ DEFAULTS = {
     "backup_every": None,
     "shuffle_buffer": 20000,
     "verbose": "auto",
+    # Not read by kt-train: recorded in config.json for the commands that follow it (`make train`).
+    "average_last": None,
+    "beam_size": None,
+    "alpha": None,
 }
 
 DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
@@ -112,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-from", metavar="MODEL_DIR",
                    help="fine-tune: start from this kt-train model directory (or a .keras file in one), with its "
                    "vocabulary, architecture and weights, and a fresh optimizer and learning-rate schedule")
-    g.add_argument("--epochs", type=int)
+    g.add_argument("--epochs", type=int, help="passes over the training data (default 10); with --max-updates, "
+                   "at most this many (a config's \"epochs\": null: no epoch limit)")
+    g.add_argument("--max-updates", type=int, metavar="N",
+                   help="stop after N optimizer updates, in the middle of an epoch if need be (fairseq's "
+                   "--max-update): a recipe defined by work; a resumed run stops at the same update")
     g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
     g.add_argument("--max-minutes", type=float,
                    help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
@@ -120,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--learning-rate-scale", type=float,
                    help="multiply the paper's learning-rate curve by this (default 1; OpenNMT-tf's NoamDecay scale)")
     g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--adam-epsilon", type=float,
+                   help="Adam's epsilon (default 1e-9, the paper's; fairseq's default is 1e-8)")
+    g.add_argument("--global-clipnorm", type=float, metavar="NORM",
+                   help="rescale the gradients when their global norm (over all variables together) exceeds "
+                   "NORM (Keras' global_clipnorm; fairseq's --clip-norm; default: no clipping)")
     g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
     g.add_argument("--mixed-precision", action="store_true", help="force mixed precision: mixed_bfloat16 on CPU, "
                    "mixed_float16 on GPU (default auto: only where the hardware computes half precision natively)")
@@ -128,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
     g.add_argument("--backup-every", type=int, help="BackupAndRestore every N steps (default: every epoch)")
     g.add_argument("--seed", type=int)
+    g = p.add_argument_group("after training (recorded in config.json for the commands that follow kt-train)")
+    g.add_argument("--average-last", type=int, metavar="N",
+                   help="kt-average-checkpoints averages the last N epoch checkpoints (its own default: 5)")
+    g.add_argument("--beam-size", type=int, help="kt-evaluate's and kt-export's beam size (their default: 4)")
+    g.add_argument("--alpha", type=float, help="kt-evaluate's and kt-export's length penalty (their default: 0.6)")
+    g = p.add_argument_group("output")
     g.add_argument("--verbose", nargs="?", const="auto", type=_verbosity, metavar="N",
                    help="show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: "
                    "0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, 2 otherwise)")
@@ -163,6 +186,23 @@ def resolve_config(argv=None) -> dict:
     if cfg.get("train_files"):
         cfg["dataset"] = "files"
     return cfg
+
+
+def check_settings(cfg) -> None:
+    """Raises `ConfigError` naming the first setting out of its range."""
+    positive = {"adam_epsilon": "--adam-epsilon", "global_clipnorm": "--global-clipnorm"}
+    for key, flag in positive.items():
+        if cfg.get(key) is not None and not cfg[key] > 0:
+            raise ConfigError(f"{flag} ({key}) must be positive, got {cfg[key]!r}")
+    at_least_one = {"epochs": "--epochs", "max_updates": "--max-updates", "average_last": "--average-last",
+                    "beam_size": "--beam-size"}
+    for key, flag in at_least_one.items():
+        if cfg.get(key) is not None and not (isinstance(cfg[key], int) and cfg[key] >= 1):
+            raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
+    if cfg.get("epochs") is None and cfg.get("max_updates") is None:
+        raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
+    if (cfg.get("subword_sampling") or 0) < 0:
+        raise ConfigError(f"--subword-sampling must be positive (or 0 for off), got {cfg['subword_sampling']}")
 
 
 def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:

@@ -42,7 +42,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from export.translate import translate_lines  # noqa: E402
-from export.translator import Translator, read_config  # noqa: E402
+from export.translator import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, Translator, read_config, recorded_setting  # noqa: E402
 from keras_transformer.text import read_lines  # noqa: E402
 from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
@@ -121,8 +121,10 @@ def build_parser():
     p.add_argument("--target-lang", help="the language of the Multi30k-protocol BLEU's Moses normalisation and "
                                          "tokenisation (default: the model's target language; without a model "
                                          "and without this, that BLEU is not computed)")
-    p.add_argument("--beam-size", type=int, default=4, help="1 = greedy (default 4)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty (default 0.6)")
+    p.add_argument("--beam-size", type=int, help="1 = greedy (default: the one kt-train --beam-size recorded in "
+                   f"config.json, else {DEFAULT_BEAM_SIZE})")
+    p.add_argument("--alpha", type=float, help="length penalty (default: the one kt-train --alpha recorded in "
+                   f"config.json, else {DEFAULT_ALPHA})")
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")
@@ -183,9 +185,11 @@ def evaluate(args) -> int:
     if not args.model_dir:
         raise SystemExit("--model-dir is required to decode")
     tfds.disable_progress_bar()
+    cfg = read_config(args.model_dir)
+    args.beam_size = recorded_setting(cfg, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
+    args.alpha = recorded_setting(cfg, "alpha", args.alpha, DEFAULT_ALPHA)
     translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
                                            beam_size=args.beam_size, alpha=args.alpha)
-    cfg = read_config(args.model_dir)
     sources, refs = _source_and_refs(args, cfg)
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]

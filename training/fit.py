@@ -25,17 +25,20 @@ import keras_transformer as kt
 from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import check_special_ids, read_tokenizer_proto, train_sentencepiece, vocab_size_of
 from export.tokenizer import make_tokenizer
-from training.callbacks import EpochETA, ResumableBackup, TimeBudget, ValidationBLEU
-from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, write_config
+from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, ValidationBLEU
+from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import build_fit_state_now, rank1_step_logs
-from training.pipeline import make_batches
+from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
 
 log = logging.getLogger("training.fit")
+
+# fit()'s epoch count when a run is bounded by --max-updates alone ("epochs": null).
+NO_EPOCH_LIMIT = 1_000_000
 
 
 def data_spec(cfg) -> DataSpec:
@@ -101,6 +104,10 @@ def compile_model(model, cfg, optimizer=None):
     kwargs = {}
     if cfg["grad_accum"] and cfg["grad_accum"] > 1:
         kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
+    if cfg.get("adam_epsilon") is not None:
+        kwargs["epsilon"] = cfg["adam_epsilon"]
+    if cfg.get("global_clipnorm") is not None:
+        kwargs["global_clipnorm"] = cfg["global_clipnorm"]
     if optimizer is None:
         optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"],
                                   scale=cfg["learning_rate_scale"], **kwargs)
@@ -141,8 +148,7 @@ def fit_verbosity(setting, stream=sys.stdout) -> int:
 
 def train(cfg: dict, strategy=None) -> dict:
     """Runs training as configured; returns a summary dict (also printed as JSON)."""
-    if (cfg["subword_sampling"] or 0) < 0:
-        raise ConfigError(f"--subword-sampling must be positive (or 0 for off), got {cfg['subword_sampling']}")
+    check_settings(cfg)
     if strategy is None:
         strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
     tfds.disable_progress_bar()
@@ -174,6 +180,19 @@ def train(cfg: dict, strategy=None) -> dict:
     train_tokenizer = make_tokenizer(proto, sampling_alpha=alpha) if alpha else tokenizer
     train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
                             seed=cfg["seed"], repeat=bool(steps), **batch_args)
+    batch_contents = None
+    if is_chief:
+        # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
+        counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
+                               seed=cfg["seed"], **batch_args)
+        batch_contents = mean_target_tokens(counted)
+        accum = cfg["grad_accum"] or 1
+        batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum)
+        print(f"[kt-train] batches: {batch_contents['target_tokens_per_update']:,} target tokens per update "
+              f"on average ({batch_contents['target_tokens']:,.0f} per batch, "
+              f"{batch_contents['padded_target_tokens']:,.0f} with padding, {batch_contents['sentences']:.0f} "
+              f"sentences; the first {batch_contents['batches']} batches"
+              f"{f', {accum} batches per update' if accum > 1 else ''})", flush=True)
     val_ds = val_bleu = None
     if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
         val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
@@ -189,13 +208,13 @@ def train(cfg: dict, strategy=None) -> dict:
     policy = set_precision(cfg)
     try:
         return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-                    train_ds, val_ds, steps, replicas, val_bleu)
+                    train_ds, val_ds, steps, replicas, val_bleu, batch_contents)
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
 def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-         train_ds, val_ds, steps, replicas, val_bleu=None) -> dict:
+         train_ds, val_ds, steps, replicas, val_bleu=None, batch_contents=None) -> dict:
     init = cfg.get("init_from_model")
     weights = init_weights(init) if init is not None else None  # read outside the strategy's scope
     with strategy.scope():
@@ -205,11 +224,13 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     if multi_worker:
         rank1_step_logs(model)
+    batches_extra = {"batches": batch_contents} if batch_contents else None
     if is_chief:
-        write_config(cfg, model_dir, vocab_size, model, policy)
+        write_config(cfg, model_dir, vocab_size, model, policy, extra=batches_extra)
+    shape = f"preset {cfg['preset']}" + (f" with {json.dumps(cfg['model'])}" if cfg["model"] else "")
     strategy_name = "MultiWorkerMirroredStrategy" if multi_worker else type(strategy).__name__.lstrip("_")
     print(f"[kt-train] {replicas} replica(s) ({strategy_name}, worker {task_index + 1}/{num_workers}), "
-          f"preset {cfg['preset']}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
+          f"{shape}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
 
     backup_dir = out_dir / "backup"
@@ -231,8 +252,12 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         keras.callbacks.TensorBoard(log_dir=str(out_dir / "logs")),
         keras.callbacks.TerminateOnNaN(),
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
-        EpochETA(cfg["epochs"], cfg.get("max_minutes")),
+        EpochETA(cfg["epochs"], cfg.get("max_minutes"), max_updates=cfg.get("max_updates")),
     ]
+    updates = None
+    if cfg.get("max_updates"):
+        updates = UpdateBudget(cfg["max_updates"])
+        callbacks.append(updates)
     budget = None
     if cfg.get("max_minutes"):
         if num_workers > 1:
@@ -246,7 +271,8 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         # length by running out of data once, and warns as if that were a mistake.
         warnings.filterwarnings("ignore", message="Your input ran out of data")
         # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
-        history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"], steps_per_epoch=steps,
+        history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"] or NO_EPOCH_LIMIT,
+                            steps_per_epoch=steps,
                             callbacks=callbacks, verbose=fit_verbosity(cfg["verbose"]), shuffle=False)
     elapsed = time.time() - t0
     summary = {
@@ -257,6 +283,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         "seconds": round(elapsed, 1),
         "replicas": replicas,
         "stopped_by_time_budget": bool(budget and budget.stopped_after),
+        "stopped_by_max_updates": bool(updates and updates.stopped_at),
     }
     if initial_val_loss is not None:
         summary["initial_val_loss"] = initial_val_loss
@@ -268,6 +295,6 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         return summary
     if is_chief:
         model.save(model_dir / MODEL_FILENAME)
-        write_config(cfg, model_dir, vocab_size, model, policy, extra={"last_run": summary})
+        write_config(cfg, model_dir, vocab_size, model, policy, extra={**(batches_extra or {}), "last_run": summary})
     print("[kt-train] done " + json.dumps(summary), flush=True)
     return summary
