@@ -32,9 +32,7 @@ from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound  # noqa: F401 (re-exported)
 from keras_transformer.decoding import (  # the beam's bookkeeping and the options' rules, the library's own
     Sampling, _beam_update, _prefix_tokens, _sampled_token, _write_column)
-from keras_transformer.masking import PAD_ID
-
-_NEG = -1e9
+from keras_transformer.masking import MASKED_SCORE, PAD_ID
 
 
 # ------------------------------------------------------------------ greedy decoding
@@ -149,7 +147,7 @@ class _BeamState(NamedTuple):
     alive_tokens: tf.Tensor  # [batch, k, steps] the beams' outputs so far
     alive_log_prob: tf.Tensor  # [batch, k] their log-probabilities, best first
     finished_tokens: tf.Tensor  # [batch, k, steps] the best finished hypotheses
-    finished_scores: tf.Tensor  # [batch, k] their scores, best first; _NEG for none
+    finished_scores: tf.Tensor  # [batch, k] their scores, best first; MASKED_SCORE for none
     num_finished: tf.Tensor  # [batch] how many beams have ended
     beam_done: tf.Tensor  # [batch] bool: the beams can change nothing more
     greedy_tokens: tf.Tensor  # [batch, steps] the greedy hypothesis
@@ -243,14 +241,14 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             state.cache_index < steps, tf.logical_not(tf.reduce_all(state.beam_done & state.greedy_done))
         )
 
-    first_beam_only = tf.concat([[0.0], tf.fill([k - 1], _NEG)], axis=0)
+    first_beam_only = tf.concat([[0.0], tf.fill([k - 1], MASKED_SCORE)], axis=0)
     state = _BeamState(
         cache_index=tf.constant(0),
         last=tf.fill([batch_size, rows], tf.cast(start_id, tf.int32)),
         alive_tokens=tf.zeros([batch_size, k, steps], tf.int32),
         alive_log_prob=tf.tile(first_beam_only[None], [batch_size, 1]),
         finished_tokens=tf.zeros([batch_size, k, steps], tf.int32),
-        finished_scores=tf.fill([batch_size, k], _NEG),
+        finished_scores=tf.fill([batch_size, k], MASKED_SCORE),
         num_finished=tf.zeros([batch_size], tf.int32),
         beam_done=tf.zeros([batch_size], tf.bool),
         greedy_tokens=tf.zeros([batch_size, steps], tf.int32),
@@ -261,7 +259,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         memory=memory,
         cache=cache,
         best_tokens=tf.zeros([batch_size, *best_shape, steps], tf.int32),
-        best_scores=tf.fill([batch_size, *best_shape], _NEG),
+        best_scores=tf.fill([batch_size, *best_shape], MASKED_SCORE),
     )
     state = _while_loop(not_done, step, state)
     return _trim(state.best_tokens), state.best_scores
@@ -394,16 +392,16 @@ def _most_likely_token(logits, at_limit, end_id):
 
 
 def _padding_bias(logits):
-    """`[vocab]` for logits `[rows, vocab]`: _NEG at the padding id, 0 elsewhere (a constant if vocab is static)."""
+    """`[vocab]` for logits `[rows, vocab]`: MASKED_SCORE at the padding id, 0 elsewhere (a constant if vocab is static)."""
     vocab_size = logits.shape[-1] if logits.shape[-1] is not None else tf.shape(logits)[-1]
-    return tf.one_hot(PAD_ID, vocab_size, on_value=_NEG, off_value=0.0)
+    return tf.one_hot(PAD_ID, vocab_size, on_value=MASKED_SCORE, off_value=0.0)
 
 
 def _next_tokens(logits, at_limit, end_id, n, forced=None):
     """Each row's `n` most likely next tokens (`_NextTokens` `[rows, n]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
-    `end_id`, then `_NEG` entries; so may a row with a `forced` token (`[rows]`
+    `end_id`, then `MASKED_SCORE` entries; so may a row with a `forced` token (`[rows]`
     int32, -1 for none: a target prefix; None: no prefix) only take that one.
     Log-probabilities are the log-softmax over the whole vocabulary. Only the
     log-softmax and the top-k pass over [rows, vocab]; the bans are applied to
@@ -412,16 +410,16 @@ def _next_tokens(logits, at_limit, end_id, n, forced=None):
     n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
     log_probs = tf.nn.log_softmax(logits, axis=-1)
     top, tokens = _top_k(log_probs, n + 1)  # one more: padding may be among them
-    log_prob, keep = tf.math.top_k(tf.where(tokens == PAD_ID, _NEG, top), n)
+    log_prob, keep = tf.math.top_k(tf.where(tokens == PAD_ID, MASKED_SCORE, top), n)
     first = tf.range(n) == 0
     tokens = tf.gather(tokens, keep, batch_dims=1)
     if forced is not None:  # a prefix's token, where a row has one (before the limit's end, which comes first)
         forced_log_prob = tf.gather(log_probs, tf.maximum(forced, 0), batch_dims=1)[:, None]
-        log_prob = tf.where((forced >= 0)[:, None], tf.where(first, forced_log_prob, _NEG), log_prob)
+        log_prob = tf.where((forced >= 0)[:, None], tf.where(first, forced_log_prob, MASKED_SCORE), log_prob)
         tokens = tf.where((forced >= 0)[:, None], tf.where(first, forced[:, None], PAD_ID), tokens)
     end_log_prob = tf.gather(log_probs, end_id, axis=1)
     return _NextTokens(
-        log_prob=tf.where(at_limit[:, None], tf.where(first, end_log_prob[:, None], _NEG), log_prob),
+        log_prob=tf.where(at_limit[:, None], tf.where(first, end_log_prob[:, None], MASKED_SCORE), log_prob),
         token=tf.where(at_limit[:, None], tf.where(first, end_id, PAD_ID), tokens),
     )
 

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from export.tf_internals import eigen_batch_matmul, in_xla_context
 from keras_transformer.linear import is_plain, project_heads, project_output
-from keras_transformer.masking import PAD_ID
+from keras_transformer.masking import MASKED_SCORE, PAD_ID
 
 
 # ------------------------------------------------------------------ the step
@@ -210,9 +210,9 @@ def _attend(attention, query, key, value, attention_mask):
     if mask is None:
         scores = tf.nn.softmax(scores)
     else:
-        # As Keras' Softmax does: -1e9 before, and exact zeros after, so that
+        # As Keras' Softmax does: MASKED_SCORE before, and exact zeros after, so that
         # a row with nothing to attend to gets zero weights, not uniform ones.
-        scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(-1e9, scores.dtype)))
+        scores = tf.nn.softmax(tf.where(mask, scores, tf.cast(MASKED_SCORE, scores.dtype)))
         scores = tf.where(mask, scores, tf.zeros_like(scores))
     return tf.matmul(scores, value)
 
@@ -239,7 +239,7 @@ def _attend_one_position(query, key, value, mask):
     dtype = value.dtype
     scores = tf.cast(tf.cast(eigen_batch_matmul(query, key, adjoint_b=True), dtype), tf.float32)
     if mask is not None:
-        scores = tf.where(mask, scores, -1e9)
+        scores = tf.where(mask, scores, MASKED_SCORE)
     weights = tf.exp(scores - tf.reduce_max(scores, axis=-1, keepdims=True))
     weights = weights / tf.reduce_sum(weights, axis=-1, keepdims=True)
     if mask is not None:  # a row with nothing to attend to gets zero weights, as in the full pass

@@ -4,10 +4,7 @@ import keras
 from keras import ops
 
 from keras_transformer.linear import is_plain, project_heads, project_output
-from keras_transformer.masking import causal_mask
-
-# The score a masked position gets before the softmax (as Keras' own Softmax does).
-MASKED_SCORE = -1e9
+from keras_transformer.masking import MASKED_SCORE, causal_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

@@ -26,11 +26,10 @@ import keras
 from keras import ops
 
 from keras_transformer.counter_noise import gumbel_noise
-from keras_transformer.masking import PAD_ID, padding_mask
+from keras_transformer.masking import MASKED_SCORE, PAD_ID, padding_mask
 
 # Default room for the output: source length + 50 tokens (paper section 6.1).
 EXTRA_OUTPUT_LENGTH = 50
-_NEG = -1e9
 
 
 def length_penalty(length, alpha):
@@ -148,8 +147,8 @@ class _NextTokens(NamedTuple):
 
 
 def _padding_bias(vocab_size):
-    """`[vocab]`: _NEG at the padding id, 0 elsewhere."""
-    return ops.where(ops.arange(vocab_size) == PAD_ID, _NEG, 0.0)
+    """`[vocab]`: MASKED_SCORE at the padding id, 0 elsewhere."""
+    return ops.where(ops.arange(vocab_size) == PAD_ID, MASKED_SCORE, 0.0)
 
 
 def _most_likely_token(logits, at_limit, end_id, forced=None, bias=None):
@@ -158,7 +157,7 @@ def _most_likely_token(logits, at_limit, end_id, forced=None, bias=None):
     Never padding; at its limit (`at_limit` `[rows]` bool, or None for no
     limits) a row may only end; otherwise a row with a `forced` token
     (`[rows]` int32, -1 for none: a target prefix) takes it. `bias`
-    (`[rows, vocab]`, _NEG at banned tokens) shifts the choice, not the
+    (`[rows, vocab]`, MASKED_SCORE at banned tokens) shifts the choice, not the
     log-probability, which is the log-softmax over the whole vocabulary.
     """
     log_probs = ops.log_softmax(logits, axis=-1)
@@ -175,22 +174,22 @@ def _next_tokens(logits, at_limit, end_id, n, forced=None, bias=None):
     """Each row's `n` most likely next tokens (`_NextTokens` `[rows, n]`) from float32 logits `[rows, vocab]`.
 
     Never padding; at its limit (`at_limit` `[rows]` bool) a row may only end:
-    `end_id`, then `_NEG` entries; so may a row with a `forced` token
+    `end_id`, then `MASKED_SCORE` entries; so may a row with a `forced` token
     (`[rows]` int32, -1 for none: a target prefix) only take that one.
     Log-probabilities are the log-softmax over the whole vocabulary; `bias`
-    (`[rows, vocab]`, _NEG at banned tokens) is added to them before the top n.
+    (`[rows, vocab]`, MASKED_SCORE at banned tokens) is added to them before the top n.
     """
     n = min(n, logits.shape[-1] - 1) if logits.shape[-1] is not None else n
     log_probs = ops.log_softmax(logits, axis=-1)
     top, tokens = ops.top_k(log_probs if bias is None else log_probs + bias, n + 1)  # one more: padding may be there
     tokens = ops.cast(tokens, "int32")
-    log_prob, keep = ops.top_k(ops.where(tokens == PAD_ID, _NEG, top), n)
+    log_prob, keep = ops.top_k(ops.where(tokens == PAD_ID, MASKED_SCORE, top), n)
     only = ops.full(ops.shape(at_limit), -1, "int32") if forced is None else forced
     only = ops.where(at_limit, ops.cast(end_id, "int32"), only)  # the limit before a prefix
     only_log_prob = ops.take_along_axis(log_probs, ops.maximum(only, 0)[:, None], axis=1)
     first, forced_rows = ops.arange(n) == 0, (only >= 0)[:, None]
     return _NextTokens(
-        log_prob=ops.where(forced_rows, ops.where(first, only_log_prob, _NEG), log_prob),
+        log_prob=ops.where(forced_rows, ops.where(first, only_log_prob, MASKED_SCORE), log_prob),
         token=ops.where(forced_rows, ops.where(first, only[:, None], PAD_ID),
                         ops.take_along_axis(tokens, ops.cast(keep, "int32"), axis=1)),
     )
@@ -235,7 +234,7 @@ def _prefix_tokens(prefix_ids, column):
 
 
 def _repeated_ngram_bias(outputs, length, n, vocab_size):
-    """`[rows, vocab]`: _NEG at each token that, written at column `length` of `outputs` `[rows, columns]`
+    """`[rows, vocab]`: MASKED_SCORE at each token that, written at column `length` of `outputs` `[rows, columns]`
     (its first `length` columns written), would repeat one of the row's n-grams; 0 elsewhere.
 
     The n-gram starting at column j is written if j + n <= length; it bans its last token when its
@@ -257,7 +256,7 @@ def _repeated_ngram_bias(outputs, length, n, vocab_size):
     row = ops.broadcast_to(ops.arange(rows, dtype="int32")[:, None], (rows, starts))
     indices = ops.stack([ops.reshape(row, (-1,)), ops.reshape(ops.cast(banned, "int32"), (-1,))], axis=1)
     bias = ops.scatter_update(ops.zeros((rows, vocab_size + 1), "float32"), indices,
-                              ops.full((rows * starts,), _NEG, "float32"))
+                              ops.full((rows * starts,), MASKED_SCORE, "float32"))
     return bias[:, :vocab_size]
 
 
@@ -524,7 +523,7 @@ class _BeamState(NamedTuple):
     alive_tokens: Any  # [batch, k, steps] the beams' outputs so far
     alive_log_prob: Any  # [batch, k] their log-probabilities, best first
     finished_tokens: Any  # [batch, k, steps] the best finished hypotheses
-    finished_scores: Any  # [batch, k] their scores, best first; _NEG for none
+    finished_scores: Any  # [batch, k] their scores, best first; MASKED_SCORE for none
     num_finished: Any  # [batch] how many beams have ended
     beam_done: Any  # [batch] bool: the beams can change nothing more
     greedy_tokens: Any  # [batch, steps] the greedy hypothesis
@@ -627,15 +626,15 @@ def _finish_hypotheses(state, candidates, greedy_tokens, greedy_log_prob, greedy
     # "Among the best k" is a mask over the 2k, not a slice `[:, :k]`: XLA on CPU
     # runs a top_k as its fast TopK kernel only if no slice is taken of the result
     # (`TopkRewriter`); with one, it sorts all of [batch, k * vocab] every step.
-    # The k extra candidates score _NEG after the finished ones, so no choice changes.
+    # The k extra candidates score MASKED_SCORE after the finished ones, so no choice changes.
     newly_finished = (candidates.ends & (ops.arange(2 * k) < k)[None] & ops.logical_not(state.beam_done)[:, None]
-                      & (candidates.log_prob > _NEG / 2))
-    new_scores = ops.where(newly_finished, candidates.log_prob / penalty, _NEG)
+                      & (candidates.log_prob > MASKED_SCORE / 2))
+    new_scores = ops.where(newly_finished, candidates.log_prob / penalty, MASKED_SCORE)
     if distinct:
         # A hypothesis ends at its length, so a beam's copy of the greedy one can only end at the same step.
         copies = ops.all(candidates.tokens == greedy_tokens[:, None], axis=-1) & newly_finished
         greedy_ends = greedy_ends & ops.logical_not(ops.any(copies, axis=1))
-    greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, _NEG)
+    greedy_score = ops.where(greedy_ends, greedy_log_prob / penalty, MASKED_SCORE)
     scores, best = ops.top_k(ops.concatenate([state.finished_scores, new_scores, greedy_score[:, None]], 1), k)
     pool = ops.concatenate([state.finished_tokens, candidates.tokens, greedy_tokens[:, None]], 1)
     num_finished = state.num_finished + ops.sum(ops.cast(newly_finished, "int32"), axis=1)
@@ -645,7 +644,7 @@ def _finish_hypotheses(state, candidates, greedy_tokens, greedy_log_prob, greedy
 def _keep_alive(candidates, k, take_rows=_take_rows):
     """The best k candidates that did not end: log-probabilities `[batch, k]`, tokens
     `[batch, k, steps]`, and the beam and the token each came from `[batch, k]`."""
-    log_prob, keep = ops.top_k(ops.where(candidates.ends, _NEG, candidates.log_prob), k)
+    log_prob, keep = ops.top_k(ops.where(candidates.ends, MASKED_SCORE, candidates.log_prob), k)
     keep = ops.cast(keep, "int32")
     return (log_prob, *(take_rows(values, keep) for values in (candidates.tokens, candidates.beam, candidates.token)))
 
@@ -736,6 +735,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     sentence also carries its greedy hypothesis as one more row of the same
     loop, and that hypothesis competes with the finished ones: the result is
     never scored below `greedy_decode`'s, and beam size 1 is greedy decoding.
+    That holds in float32. In bfloat16 (`mixed_bfloat16`) it cannot be kept
+    exactly: the greedy row here runs in a batch of `beam_size + 1` rows per
+    sentence, `greedy_decode`'s in a batch of one, and a backend's bfloat16
+    matmuls may round a row differently by batch shape (JAX on the CPU and
+    GPUs do), so the score can fall below `greedy_decode`'s by that rounding:
+    on the CPU, by at most bfloat16's relative precision (2^-8) of the score,
+    as tested (BENCHMARKS.md, "Beam against greedy in bfloat16").
 
     Args:
         model: a `Transformer`.
@@ -791,14 +797,14 @@ def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_leng
     prepared = _prepare(model, source_ids, max_length)
     batch_size, steps = ops.shape(prepared.encoder_output)[0], prepared.steps
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, steps, rows)
-    first_beam_only = ops.where(ops.arange(k) == 0, 0.0, _NEG)
+    first_beam_only = ops.where(ops.arange(k) == 0, 0.0, MASKED_SCORE)
     state = _BeamState(
         index=ops.convert_to_tensor(0, "int32"),
         last=ops.full((batch_size, rows), start_id, "int32"),
         alive_tokens=ops.zeros((batch_size, k, steps), "int32"),
         alive_log_prob=ops.broadcast_to(first_beam_only[None], (batch_size, k)),
         finished_tokens=ops.zeros((batch_size, k, steps), "int32"),
-        finished_scores=ops.full((batch_size, k), _NEG, "float32"),
+        finished_scores=ops.full((batch_size, k), MASKED_SCORE, "float32"),
         num_finished=ops.zeros((batch_size,), "int32"),
         beam_done=ops.zeros((batch_size,), "bool"),
         greedy_tokens=ops.zeros((batch_size, steps), "int32"),

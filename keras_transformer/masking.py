@@ -10,6 +10,9 @@ fills in itself (on every backend, `jax.jit` included).
 from keras import ops
 
 PAD_ID = 0
+# The score of what must not be chosen: a masked attention position before its softmax (as Keras' own
+# Softmax does), and a banned token, an empty hypothesis or a missing beam in the searches.
+MASKED_SCORE = -1e9
 
 
 def padding_mask(token_ids):
