@@ -47,7 +47,7 @@ endif
 # pytest-xdist's worker processes, each given whole test files (their module fixtures are built once): most of
 # the suite's time is single-threaded tracing, compiling and subprocess start-up, which overlaps on 2 cores.
 # TEST_WORKERS=0 runs the suite in this one process. Not PyTorch's: its eager ops keep both cores busy already,
-# and 2 workers made it slower (README, "Tests and CI").
+# and 2 workers made it slower (docs/testing.md, "The three suites").
 TEST_WORKERS ?= auto
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -73,7 +73,7 @@ else
 test-torch: venv-torch
 endif
 
-# The README's main command, Multi30k SRC->TGT end to end: train with CONFIG (configs/multi30k.json: small preset,
+# README's first command, Multi30k SRC->TGT end to end: train with CONFIG (configs/multi30k.json: small preset,
 # 22 epochs on any machine), average the last epoch checkpoints, score beam search on test_2016_flickr with
 # sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English;
 # `make train CONFIG=configs/multi30k-best.json` for the best recipe (runs/multi30k-best-en-de). How many
@@ -104,7 +104,7 @@ train: venv
 	$(PY) -m export.export_model --model-dir $(RUN) --model-file $(RUN)/averaged.keras --export-dir $(EXPORT) \
 		$(SEARCH_FLAGS)
 
-# The README figures of a run: `make plots RUN=runs/en-de` writes docs/images/{lr_schedule,loss,attention}.png.
+# The figures of docs/training.md ("Plots") for a run: `make plots RUN=runs/en-de` writes docs/images/{lr_schedule,loss,attention}.png.
 SOURCE ?= A man in an orange hat starring at something.
 
 plots: venv

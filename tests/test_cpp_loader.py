@@ -138,7 +138,7 @@ def scores(run):
 
 def test_serving_check_builds_once_and_skips_without_a_compiler(serving_check, monkeypatch, tmp_path):
     """Must-show 3: the binary is reused while its source and TensorFlow are unchanged; without g++ the
-    tests skip, saying which package to install (README.md's Tests section names it too)."""
+    tests skip, saying which package to install (README.md's Install section names it too)."""
     mtime = serving_check.stat().st_mtime_ns
     assert build_serving_check() == serving_check and serving_check.stat().st_mtime_ns == mtime
     assert serving_check.parent == BUILD_DIR
