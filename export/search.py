@@ -5,9 +5,10 @@ They are the library's searches (`keras_transformer.greedy_decode` / `beam_searc
 same tokens, and the same scores to float precision, tests/test_engine.py), written for a TensorFlow
 serving graph on CPU, which is why they live in `export/`:
 
-- outside XLA, sentences that are done leave the batch (about a third of a length-sorted batch's
+- with growing shapes (the default), sentences that are done leave the batch (about a third of a length-sorted batch's
   row-steps were spent on sentences already done), and the self-attention cache grows with the output;
-  under XLA (`tf.function(jit_compile=True)`, `kt-export --xla-max-batch`) every shape is fixed: every
+  with `fixed_shapes=True`, for XLA (`tf.function(jit_compile=True)`, `kt-export --xla-max-batch`;
+  the caller that decides XLA passes it, `check_shapes`), every shape is fixed: every
   row stays, the cache is a buffer for the longest output, and the output bound is read from the
   source's static padded length;
 - each step reads the vocabulary twice (the log-softmax, then a top-k by blocks, `_top_k`), and the
@@ -60,13 +61,15 @@ class _GreedyState(NamedTuple):
 _GREEDY_ROW_FIELDS = ("rows", "last", "finished", "log_prob", "lengths", "memory")
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True, sampling=None):
+def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True, sampling=None,
+                  fixed_shapes=False):
     """`keras_transformer.greedy_decode` (the same tokens and scores) on the engine's step.
 
     Rows that end leave the batch (outside XLA). Arguments as the library's, plus `use_cache=False`: a
     full pass every step (same tokens, slower; the reference of `--no-cache` exports), and `sampling`:
     a `keras_transformer.decoding.Sampling` of `[batch]` tensors for `keras_transformer.sample_decode`
-    (the same draws: the library's own choice of token, `_sampled_token`).
+    (the same draws: the library's own choice of token, `_sampled_token`). `fixed_shapes`: see
+    `check_shapes`.
 
     Returns:
         tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at the limit), padded with 0
@@ -75,9 +78,10 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
 
     Wrap the call in `tf.function`.
     """
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    check_shapes(fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
     batch_size = tf.shape(encoder_output)[0]
-    next_logits = _next_logits_fn(model, start_id, use_cache)
+    next_logits = _next_logits_fn(model, start_id, use_cache, fixed_shapes)
 
     def step(state):
         encoder_output, source_mask, limits, row_sampling = state.memory
@@ -107,7 +111,7 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         )
         # Finished rows leave (outside XLA): rows that were finished left at their last step, so the
         # rows finished now are those that just ended.
-        return _leave_when_done(state, state.finished, _GREEDY_ROW_FIELDS)
+        return _leave_when_done(state, state.finished, _GREEDY_ROW_FIELDS, fixed_shapes)
 
     def not_done(state):
         return tf.logical_and(state.cache_index < steps, tf.logical_not(tf.reduce_all(state.finished)))
@@ -121,7 +125,7 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         lengths=tf.zeros([batch_size], tf.int32),
         # The sampling settings leave with their rows; () without sampling.
         memory=(encoder_output, source_mask, limits, () if sampling is None else Sampling(*sampling)),
-        cache=init_cache(model, encoder_output, _cache_length(steps)) if use_cache else {},
+        cache=init_cache(model, encoder_output, steps if fixed_shapes else 0) if use_cache else {},
         tokens=tf.zeros([batch_size, steps], tf.int32),
         log_prob_out=tf.zeros([batch_size], tf.float32),
         lengths_out=tf.zeros([batch_size], tf.int32),
@@ -168,7 +172,7 @@ _BEAM_SENTENCE_FIELDS = (
 
 
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True,
-                n_best=None, prefix_ids=None):
+                n_best=None, prefix_ids=None, fixed_shapes=False):
     """`keras_transformer.beam_search` (the same hypotheses, scores and early stop) on the engine's step.
 
     Each sentence's k beams and its greedy hypothesis are k + 1 rows of one loop; a sentence whose rows
@@ -186,6 +190,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             of `--no-cache` exports).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
         prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.
+        fixed_shapes: see `check_shapes`.
 
     Returns:
         tokens: int32 `[batch, length]`, the best finished hypothesis, padded with 0 after `end_id`,
@@ -201,16 +206,17 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     best = (lambda x: x[:, 0]) if n_best is None else (lambda x: x[:, :n_best])
     best_shape = [] if n_best is None else [n_best]
     rows = k + 1  # per sentence: k beams, then the greedy hypothesis
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length)
+    check_shapes(fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
     batch_size = tf.shape(encoder_output)[0]
-    cache = init_cache(model, encoder_output, _cache_length(steps)) if use_cache else {}
+    cache = init_cache(model, encoder_output, steps if fixed_shapes else 0) if use_cache else {}
     if use_cache:
         # Every hypothesis gets a row of the self-attention cache: [batch * rows, ...], sentence-major.
         # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
         cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, rows, axis=0), cache["self_attention"])
     # The prefix leaves with its sentence; () without one.
     memory = (encoder_output, source_mask, () if prefix_ids is None else tf.cast(prefix_ids, tf.int32))
-    next_logits = _next_logits_fn(model, start_id, use_cache)
+    next_logits = _next_logits_fn(model, start_id, use_cache, fixed_shapes)
 
     def step(state):
         cache_index, limits, (encoder_output, source_mask, prefix) = state.cache_index, state.limits, state.memory
@@ -234,7 +240,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
             best_tokens=tf.tensor_scatter_nd_update(state.best_tokens, sentences, best(state.finished_tokens)),
             best_scores=tf.tensor_scatter_nd_update(state.best_scores, sentences, best(state.finished_scores)),
         )
-        return _leave_when_done(state, state.beam_done & state.greedy_done, _BEAM_SENTENCE_FIELDS, rows)
+        return _leave_when_done(state, state.beam_done & state.greedy_done, _BEAM_SENTENCE_FIELDS, fixed_shapes,
+                                rows)
 
     def not_done(state):
         return tf.logical_and(
@@ -284,7 +291,22 @@ def _reorder_cache(cache, source_row):
 # ------------------------------------------------------------------ what both searches share
 
 
-def _prepare(model, source_ids, max_length):
+def check_shapes(fixed_shapes):
+    """Checks the searches' `fixed_shapes` against where they are traced.
+
+    `fixed_shapes` is how the search runs, decided by the caller that decides XLA (`Translator`):
+    True for `tf.function(jit_compile=True)`, where XLA needs every shape fixed (every row stays in
+    the batch to the end, the self-attention cache is a buffer for the longest output, the loop's bound
+    comes from the source's static padded length); False for the graph that the stock model server
+    runs (rows that are done leave the batch, the cache grows). Growing shapes cannot compile under
+    XLA: that mistake gets this error rather than XLA's.
+    """
+    if in_xla_context() and not fixed_shapes:
+        raise ValueError("This search is traced inside tf.function(jit_compile=True): pass fixed_shapes=True "
+                         "(XLA needs every shape fixed; the default, growing shapes, is the graph TF Serving runs)")
+
+
+def _prepare(model, source_ids, max_length, fixed_shapes):
     """Encoder output, padding mask, per-sentence output limits `[batch]` and the loop's most steps."""
     source_ids = tf.convert_to_tensor(source_ids)
     if source_ids.shape.rank != 2:
@@ -299,7 +321,7 @@ def _prepare(model, source_ids, max_length):
     limits = tf.broadcast_to(
         tf.cast(output_bound(model, tf.reduce_sum(tf.cast(source_mask, tf.int32), axis=1), max_length), tf.int32),
         [tf.shape(source_ids)[0]])
-    if in_xla_context():
+    if fixed_shapes:
         # A bound XLA knows when it compiles for this input shape. The batch's largest limit is read
         # from the data, and buffers sized by it made the compiled loop much slower (greedy, batch 64;
         # BENCHMARKS.md, "With small batches under XLA").
@@ -309,7 +331,7 @@ def _prepare(model, source_ids, max_length):
     return model.encode(source_ids, training=False), source_mask, limits, steps
 
 
-def _next_logits_fn(model, start_id, use_cache):
+def _next_logits_fn(model, start_id, use_cache, fixed_shapes):
     """`(cache_index, last [rows], outputs [rows, steps], cache, encoder_output, source_mask)
     -> (logits [rows, vocab], cache)`.
 
@@ -319,7 +341,7 @@ def _next_logits_fn(model, start_id, use_cache):
     """
     if use_cache:
         def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
-            return decode_step(model, last, cache_index, source_mask, cache)
+            return decode_step(model, last, cache_index, source_mask, cache, fixed_shapes)
     else:
         def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
             start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
@@ -435,17 +457,6 @@ def _greedy_step(best, cache_index, tokens, log_prob, done, end_id):
     return token, tokens, log_prob + token_log_prob, tf.equal(token, end_id)
 
 
-def _cache_length(steps):
-    """Positions to allocate in the self-attention cache for `steps` decoding steps.
-
-    Outside XLA, none: the cache grows at each step, so a step copies, reads
-    and (in beam search) reorders only what is decoded so far, not room for
-    the longest possible output (source length + 50, when outputs average 16
-    tokens on Multi30k). XLA needs fixed shapes: the whole buffer.
-    """
-    return steps if in_xla_context() else 0
-
-
 def _while_loop(cond, body, state):
     """`tf.while_loop` over a `NamedTuple` state with a free batch size.
 
@@ -470,10 +481,10 @@ def _while_loop(cond, body, state):
     )
 
 
-def _leave_when_done(state, done, names, rows_per_sentence=1):
-    """`state` without its sentences `done` `[batch]` bool, outside XLA (see `_without`); under XLA,
-    which needs fixed shapes, `state` itself: every sentence stays."""
-    if in_xla_context():
+def _leave_when_done(state, done, names, fixed_shapes, rows_per_sentence=1):
+    """`state` without its sentences `done` `[batch]` bool (see `_without`); with `fixed_shapes`
+    (XLA), `state` itself: every sentence stays."""
+    if fixed_shapes:
         return state
     return tf.cond(tf.reduce_any(done), lambda: _without(state, done, names, rows_per_sentence), lambda: state)
 
@@ -543,12 +554,11 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
     on TensorFlow's default threads (2 of each) they gained
     little: each loop's matmuls then wait for intra-op
     threads the other loop holds (BENCHMARKS.md, "Two decoding loops per
-    batch"). Under XLA the whole search is one compiled program:
-    `search(source_ids)` itself.
+    batch"). Under XLA the whole search is one compiled program: pass 1.
     """
     if num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
-    if num_loops == 1 or in_xla_context():
+    if num_loops == 1:
         return search(source_ids, *row_inputs)
     source_ids = tf.convert_to_tensor(source_ids)
     batch_size = tf.shape(source_ids)[0]

@@ -16,8 +16,9 @@ greedy step went from ~510 to ~330 executed ops:
 - caches laid out heads-first, `[batch, heads, length, d_k]`, the layout the attention's batched
   matmuls read (a transpose of the cache was a quarter of a step on CPU), and constant-shape reshapes
   instead of transposes for the one new position;
-- outside XLA the self-attention cache grows by the new position (a concat of core ops) and is read
-  without a causal mask; under XLA (`tf.function(jit_compile=True)`) it is a fixed buffer written in
+- with growing shapes (`fixed_shapes=False`, the graph the stock model server runs) the self-attention
+  cache grows by the new position (a concat of core ops) and is read without a causal mask; with fixed
+  shapes (`fixed_shapes=True`, for `tf.function(jit_compile=True)`) it is a fixed buffer written in
   place with `keras.ops.slice_update`, whose TensorFlow kernel `XlaDynamicUpdateSlice` the stock TF
   Serving model server runs only with `--xla_cpu_compilation_enabled`;
 - the one new position's attention on Eigen's float32 batched matmul with the softmax written out
@@ -33,7 +34,7 @@ import math
 import keras
 import tensorflow as tf
 
-from export.tf_internals import eigen_batch_matmul, in_xla_context
+from export.tf_internals import eigen_batch_matmul
 from keras_transformer.linear import is_plain, project_heads, project_output
 from keras_transformer.masking import MASKED_SCORE, PAD_ID
 
@@ -63,7 +64,7 @@ def init_cache(model, encoder_output, max_length):
     }
 
 
-def decode_step(model, token_ids, cache_index, source_mask, cache):
+def decode_step(model, token_ids, cache_index, source_mask, cache, fixed_shapes=False):
     """One step of incremental decoding.
 
     Args:
@@ -75,6 +76,10 @@ def decode_step(model, token_ids, cache_index, source_mask, cache):
             of `sentences` (beam search's hypotheses, consecutive rows of a sentence).
         cache: from `init_cache` or the previous step: self-attention per row, cross-attention per
             sentence.
+        fixed_shapes: True for XLA (`tf.function(jit_compile=True)`, which needs every shape fixed): the
+            self-attention cache is `init_cache`'s buffer of `max_length` positions, written in place,
+            and read under a causal mask. False (default): the cache grows by one position a step,
+            with core ops only, the graph the stock TF Serving model server runs.
 
     Returns:
         (float32 logits `[rows, vocab]` for position `cache_index + 1`, the updated cache).
@@ -84,7 +89,8 @@ def decode_step(model, token_ids, cache_index, source_mask, cache):
     for layer, self_cache, source_cache in zip(
         model.decoder.decoder_layers, cache["self_attention"], cache["cross_attention"]
     ):
-        x, self_cache = _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache)
+        x, self_cache = _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache,
+                                            fixed_shapes)
         self_attention_cache.append(self_cache)
     if model.decoder.final_norm is not None:
         x = model.decoder.final_norm(x)
@@ -92,14 +98,15 @@ def decode_step(model, token_ids, cache_index, source_mask, cache):
     return project(model, x)[:, 0], cache
 
 
-def _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache):
+def _decoder_layer_step(layer, x, cache_index, source_mask, self_cache, source_cache, fixed_shapes):
     """A decoder layer on one position per row: `x` `[rows, 1, d_model]` -> (output, updated self-attention cache)."""
     x, self_cache = _residual_block(
         layer, layer.self_attention_norm, x, lambda h: _self_attention_step(layer.self_attention, h, self_cache,
-                                                                             cache_index))
+                                                                             cache_index, fixed_shapes))
     x, _ = _residual_block(
         layer, layer.cross_attention_norm, x,
-        lambda h: (_cross_attention_step(layer.cross_attention, h, source_cache, source_mask), None))
+        lambda h: (_cross_attention_step(layer.cross_attention, h, source_cache, source_mask, fixed_shapes),
+                   None))
     x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h: (layer.feed_forward(h), None))
     return x, self_cache
 
@@ -158,26 +165,26 @@ def _source_cache(attention, encoder_output):
                                                                           attention._value_dense]))
 
 
-def _self_attention_step(attention, x, cache, cache_index):
+def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
     """Self-attention of one new position per row, `x` `[rows, 1, dim]`, written into `cache` at `cache_index`.
 
     Returns (output `[rows, 1, dim]`, the cache with the new position's keys and values).
     """
     query, new_keys, new_values = project_heads(
         x, [attention._query_dense, attention._key_dense, attention._value_dense])
-    keys = _write_at(cache[0], cache_index, _heads_first(new_keys))
-    values = _write_at(cache[1], cache_index, _heads_first(new_values))
+    keys = _write_at(cache[0], cache_index, _heads_first(new_keys), fixed_shapes)
+    values = _write_at(cache[1], cache_index, _heads_first(new_values), fixed_shapes)
     mask = None
-    if in_xla_context():  # a fixed buffer: the positions after `cache_index` are not written yet
+    if fixed_shapes:  # a fixed buffer: the positions after `cache_index` are not written yet
         mask = _causal_mask(tf.shape(query)[1], tf.shape(keys)[2], start=cache_index)
-    # Outside XLA one new query at the end of a growing cache may attend to all of it: no causal
+    # One new query at the end of a growing cache may attend to all of it: no causal
     # mask to build (the ops of a mask cost more than its arithmetic at one position).
-    output = _attend(attention, _heads_first(query), keys, values, mask)
+    output = _attend(attention, _heads_first(query), keys, values, mask, fixed_shapes)
     output = _heads_first(output)  # [rows, num_heads, 1, d] -> [rows, 1, num_heads, d]: its own inverse
     return project_output(output, attention._output_dense), (keys, values)
 
 
-def _cross_attention_step(attention, x, cache, source_mask):
+def _cross_attention_step(attention, x, cache, source_mask, fixed_shapes):
     """Cross-attention of one position per row, `x` `[rows, 1, dim]`, over a cache of `sentences`
     sentences, rows = sentences * g (g >= 1 consecutive rows per sentence).
 
@@ -191,19 +198,21 @@ def _cross_attention_step(attention, x, cache, source_mask):
         project_heads(x, [attention._query_dense])[0], [sentences, -1, attention.num_heads, 1, attention.key_dim]
     )
     mask = source_mask[:, None, :][:, None]  # [sentences, 1, 1, source_len]
-    output = _attend(attention, query, keys[:, None], values[:, None], mask)
+    output = _attend(attention, query, keys[:, None], values[:, None], mask, fixed_shapes)
     output = tf.reshape(output, [-1, 1, attention.num_heads, attention.value_dim])
     return project_output(output, attention._output_dense)
 
 
-def _attend(attention, query, key, value, attention_mask):
+def _attend(attention, query, key, value, attention_mask, fixed_shapes=False):
     """Equation 1 on heads-first tensors: query `[..., num_heads, query_len, dim]`, key and value
     `[..., num_heads, key_len, dim]` -> output `[..., num_heads, query_len, value_dim]`; `attention_mask`
     None or True where attention is allowed, broadcastable to `[..., query_len, key_len]` once a
-    heads axis is inserted after its first axis."""
+    heads axis is inserted after its first axis. One query position takes `_attend_one_position` in the
+    graph, which works around oneDNN's cost per matrix there; with `fixed_shapes` XLA compiles the
+    products itself, and the plain form is kept."""
     query = query * tf.cast(1.0 / math.sqrt(float(attention.key_dim)), query.dtype)
     mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)[:, None]
-    if query.shape[-2] == 1 and not in_xla_context():
+    if query.shape[-2] == 1 and not fixed_shapes:
         output, _ = _attend_one_position(query, key, value, mask)
         return output
     scores = tf.matmul(query, key, transpose_b=True)
@@ -248,21 +257,21 @@ def _attend_one_position(query, key, value, mask):
     return tf.cast(eigen_batch_matmul(weights, value), dtype), weights
 
 
-def _write_at(heads, index, update):
+def _write_at(heads, index, update, fixed_shapes):
     """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, 1, key_dim]` written at
     position `index`.
 
-    Outside XLA the cache has length `index` and grows: a concat of core ops, not
+    With growing shapes the cache has length `index` and grows: a concat of core ops, not
     `keras.ops.slice_update`, whose TensorFlow kernel is the XLA op `XlaDynamicUpdateSlice`: the stock
     TF Serving model server will not run that outside XLA. The concat copies the cache, as any write
     outside XLA does, but a growing cache holds only the positions decoded so far (not room for the
-    longest possible output, source length + 50, when outputs average 16 tokens on Multi30k). Inside
-    `tf.function(jit_compile=True)` the cache is a fixed buffer and this is XLA's in-place
-    `dynamic_update_slice`.
+    longest possible output, source length + 50, when outputs average 16 tokens on Multi30k). With
+    `fixed_shapes` (for `tf.function(jit_compile=True)`) the cache is a fixed buffer and this is XLA's
+    in-place `dynamic_update_slice`.
     """
     update = tf.cast(update, heads.dtype)
     index = tf.cast(index, tf.int32)
-    if in_xla_context():
+    if fixed_shapes:
         return keras.ops.slice_update(heads, tf.stack([0, 0, index, 0]), update)
     return tf.concat([heads, update], axis=2)
 

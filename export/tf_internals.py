@@ -2,8 +2,9 @@
 (written for TensorFlow 2.21).
 
 Both serve the speed of the served graph on CPU, so they live in `export/`, not in the portable library
-(`keras_transformer/` computes with `keras.ops` on any backend): `export/step.py` and `export/search.py`
-ask `in_xla_context` which cache and loop to build, and the one-position attention multiplies with
+(`keras_transformer/` computes with `keras.ops` on any backend): `export/search.py`'s `check_shapes` asks
+`in_xla_context` whether a search with growing shapes is being traced under XLA (to name the mistake; the
+shapes themselves are the caller's explicit `fixed_shapes`), and the one-position attention multiplies with
 `eigen_batch_matmul`. Check both when TensorFlow is upgraded.
 """
 
@@ -14,8 +15,8 @@ from tensorflow.python.ops import control_flow_util
 def in_xla_context():
     """True while tracing inside `tf.function(jit_compile=True)` (TensorFlow has no public test for it).
 
-    XLA needs every shape fixed at compile time, so the decoding cache is then
-    a fixed buffer written in place; outside XLA it grows step by step.
+    XLA needs every shape fixed at compile time: a search traced there must
+    have been asked for fixed shapes.
     """
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 

@@ -293,9 +293,11 @@ class Translator(tf.Module):
         self.xla_max_batch = int(xla_max_batch)
         if self.xla_max_batch:
             xla_model = model if xla_model is None else xla_model
-            self._xla_beam = tf.function(lambda source: self._search(source, xla_model), jit_compile=True)
-            self._xla_greedy = tf.function(lambda source: self._search(source, xla_model, greedy=True),
-                                           jit_compile=True)
+            # XLA is decided here, so here the searches are told to keep every shape fixed.
+            self._xla_beam = tf.function(lambda source: self._search(source, xla_model, fixed_shapes=True),
+                                         jit_compile=True)
+            self._xla_greedy = tf.function(
+                lambda source: self._search(source, xla_model, greedy=True, fixed_shapes=True), jit_compile=True)
 
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
         self.translate = tf.function(self._translate_beam, input_signature=text_spec)
@@ -354,9 +356,10 @@ class Translator(tf.Module):
             return tf.zeros([pieces.nrows()], tf.bool)
         return pieces.row_lengths() > self.max_source_length - 1
 
-    def _search(self, source_ids, model=None, *, greedy=False, n_best=None, **row_options):
+    def _search(self, source_ids, model=None, *, greedy=False, n_best=None, fixed_shapes=False, **row_options):
         """Beam search of `source_ids` `[batch, len]` with the export's beam size, alpha and cache (`greedy`:
-        greedy decoding), in `parallel_loops` loops; `n_best` as `beam_search`'s. `row_options`:
+        greedy decoding), in `parallel_loops` loops (one loop with `fixed_shapes`, the XLA program's);
+        `n_best` as `beam_search`'s. `row_options`:
         `prefix_ids` `[batch, prefix_len]` or `sampling` (a `Sampling` of `[batch]` tensors), split into
         the loops with their rows. Returns tokens and scores as `parallel_decode`."""
         model = self._model() if model is None else model
@@ -368,9 +371,10 @@ class Translator(tf.Module):
 
         def decode(ids, *rows):
             options = tf.nest.pack_sequence_as(row_options, list(rows))
-            return search(ids, alpha=self.alpha, use_cache=self.use_cache, **options)
+            return search(ids, alpha=self.alpha, use_cache=self.use_cache, fixed_shapes=fixed_shapes, **options)
 
-        return parallel_decode(decode, source_ids, self.parallel_loops, *tf.nest.flatten(row_options))
+        loops = 1 if fixed_shapes else self.parallel_loops
+        return parallel_decode(decode, source_ids, loops, *tf.nest.flatten(row_options))
 
     def _decode(self, source, decode, xla_decode):
         """`decode(source)`, or for a batch of 1 to `xla_max_batch` sentences `xla_decode` on the source

@@ -71,7 +71,8 @@ def test_the_xla_copy_computes_the_models_logits_and_decodes_the_same(tied):
     assert (reference.output_projection is None) == tied
     np.testing.assert_allclose(keras.ops.convert_to_numpy(copy((source, target))),
                                keras.ops.convert_to_numpy(reference((source, target))), rtol=1e-5, atol=1e-5)
-    for search in (lambda m, s: greedy_decode(m, s, 2, 3), lambda m, s: beam_search(m, s, 2, 3, beam_size=3)):
+    for search in (lambda m, s: greedy_decode(m, s, 2, 3, fixed_shapes=True),
+                   lambda m, s: beam_search(m, s, 2, 3, beam_size=3, fixed_shapes=True)):
         ours = tf.function(lambda s: search(copy, s), jit_compile=True)(source)
         theirs = tf.function(lambda s: search(reference, s), jit_compile=True)(source)
         np.testing.assert_array_equal(ours[0].numpy(), theirs[0].numpy())

@@ -168,7 +168,7 @@ def test_a_cache_of_free_length_grows_in_a_while_loop():
     @tf.function
     def step_by_step(x):
         def body(t, cache, outputs):
-            y, cache = step._self_attention_step(mha, x[:, t : t + 1], cache, t)
+            y, cache = step._self_attention_step(mha, x[:, t : t + 1], cache, t, False)
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         free = tf.TensorShape([2, 4, None, 4])
@@ -195,7 +195,7 @@ def test_a_fixed_buffer_is_written_in_place_under_xla():
     def step_by_step(x):
         def body(t, cache, outputs):
             # tf.slice with a constant size: XLA read `x[:, t : t + 1]` as position 0 at every step here.
-            y, cache = step._self_attention_step(mha, tf.slice(x, [0, t, 0], [2, 1, 16]), cache, t)
+            y, cache = step._self_attention_step(mha, tf.slice(x, [0, t, 0], [2, 1, 16]), cache, t, True)
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         _, cache, outputs = tf.while_loop(
@@ -223,8 +223,8 @@ def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
         source_cache = step._source_cache(cross_mha, memory)
 
         def body(t, cache, outputs):
-            y, cache = step._self_attention_step(self_mha, x[:, t : t + 1], cache, t)
-            y = step._cross_attention_step(cross_mha, y, source_cache, memory_mask)
+            y, cache = step._self_attention_step(self_mha, x[:, t : t + 1], cache, t, False)
+            y = step._cross_attention_step(cross_mha, y, source_cache, memory_mask, False)
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         free = tf.TensorShape([2, 4, None, 4])
@@ -251,7 +251,7 @@ def test_hypotheses_read_their_sentence_cross_attention_cache():
     repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
     full = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :])
     shared = step._cross_attention_step(mha, tf.constant(query), step._source_cache(mha, memory),
-                                        tf.constant(memory_mask))
+                                        tf.constant(memory_mask), False)
     np.testing.assert_allclose(shared.numpy(), np.asarray(full), atol=1e-5)
 
 
@@ -287,13 +287,23 @@ def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
     # Inside jit_compile the cache is written with XLA's dynamic_update_slice, outside with a core op.
     source = copy_sources(9, 16)
     if beam_size is None:
-        decode = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
+        decode = lambda s, fixed: greedy_decode(copy_model, s, START, END, fixed_shapes=fixed)  # noqa: E731
     else:
-        decode = lambda s: beam_search(copy_model, s, START, END, beam_size=beam_size)  # noqa: E731
-    tokens, scores = tf.function(decode)(source)
-    xla_tokens, xla_scores = tf.function(decode, jit_compile=True)(source)
+        decode = lambda s, fixed: beam_search(copy_model, s, START, END, beam_size=beam_size,  # noqa: E731
+                                              fixed_shapes=fixed)
+    tokens, scores = tf.function(lambda s: decode(s, False))(source)
+    xla_tokens, xla_scores = tf.function(lambda s: decode(s, True), jit_compile=True)(source)
     np.testing.assert_array_equal(xla_tokens.numpy(), tokens.numpy())
     np.testing.assert_allclose(xla_scores.numpy(), scores.numpy(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("search", [greedy_decode, beam_search])
+def test_growing_shapes_under_xla_are_one_clear_error(copy_model, search):
+    """Fixed or growing shapes is the caller's explicit choice (the export decides it where it decides XLA);
+    growing shapes traced under jit_compile would fail inside XLA's compiler: this says what to pass."""
+    decode = tf.function(lambda s: search(copy_model, s, START, END), jit_compile=True)
+    with pytest.raises(ValueError, match="pass fixed_shapes=True"):
+        decode(copy_sources(9, 2))
 
 
 @pytest.mark.parametrize("vocab", [24, 240])
@@ -303,7 +313,7 @@ def test_beam_search_under_xla_sorts_no_vocabulary_row(vocab):
     # at batch 64, when the row was a sentence's beam * vocab candidates).
     model = random_model(0, vocab)
     source = random_ids(np.random.default_rng(0), 4, 6, high=24)
-    decode = tf.function(lambda s: beam_search(model, s, START, END, beam_size=3), jit_compile=True)
+    decode = tf.function(lambda s: beam_search(model, s, START, END, beam_size=3, fixed_shapes=True), jit_compile=True)
     hlo = decode.experimental_get_compiler_ir(source)(stage="optimized_hlo")
     sorts = [line for line in hlo.splitlines() if " sort(" in line]
     shapes = [[int(d) for d in shape.split(",")] for line in sorts for shape in re.findall(r"\[([\d,]+)\]", line)]
@@ -439,7 +449,8 @@ def test_learned_positions_cap_the_output_at_the_position_table():
     source = sources_of_2_and_6_tokens()
     for decode in (greedy_decode, beam_search):
         for jit_compile in (False, True):
-            tokens = tf.function(lambda s: decode(model, s, START, END), jit_compile=jit_compile)(source)[0].numpy()
+            tokens = tf.function(lambda s: decode(model, s, START, END, fixed_shapes=jit_compile),
+                                 jit_compile=jit_compile)(source)[0].numpy()
             assert list((tokens != 0).sum(axis=1)) == [12, 12]
             assert (tokens[:, 11] == END).all()
     # An explicit limit past the table is capped too; one within it is kept.

@@ -184,9 +184,10 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
     model, tokenizer, cfg = load_model_dir(model_dir)
     model = engine_model(model, "float32")
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
-    compiled = {"greedy": tf.function(lambda s: greedy_decode(model, s, START_ID, END_ID), jit_compile=True),
-                "serving_default": tf.function(lambda s: beam_search(model, s, START_ID, END_ID, beam_size=4),
-                                               jit_compile=True)}
+    compiled = {"greedy": tf.function(lambda s: greedy_decode(model, s, START_ID, END_ID, fixed_shapes=True),
+                                      jit_compile=True),
+                "serving_default": tf.function(lambda s: beam_search(model, s, START_ID, END_ID, beam_size=4,
+                                                                     fixed_shapes=True), jit_compile=True)}
 
     def alone_under_xla(signature, text):
         source = encode_source(tokenizer, tf.constant([text]), cfg["max_length"]).to_tensor(0)
