@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 
 from export.tf_internals import eigen_batch_matmul
-from keras_transformer.linear import is_plain, project_heads, project_output
+from keras_transformer.linear import project_heads, project_output
 from keras_transformer.masking import MASKED_SCORE, PAD_ID
 
 
@@ -138,14 +138,7 @@ def project(model, x):
 
 def _check_plain(attention):
     """A clear error for an attention layer with options beyond the paper's (the engine computes the paper's)."""
-    plain = (
-        not getattr(attention, "_use_gate", False)  # gate and sliding window are newer than keras 3.12
-        and getattr(attention, "_sliding_window", None) is None
-        and tuple(attention._attention_axes) == (1,)
-        and all(is_plain(dense) for dense in (
-            attention._query_dense, attention._key_dense, attention._value_dense, attention._output_dense))
-    )
-    if not plain:
+    if not attention.is_plain():
         raise ValueError(
             f"The serving engine decodes plain multi-head attention only, not use_gate, sliding_window, "
             f"attention_axes other than the sequence axis, or quantized kernels (layer '{attention.path}')."
@@ -161,8 +154,8 @@ def _empty_cache(attention, batch_size, max_length):
 def _source_cache(attention, encoder_output):
     """The cross-attention keys and values of `encoder_output` `[batch, length, dim]`, projected once (one
     fused matmul): `(keys, values)`, each `[batch, num_heads, length, key_dim]`."""
-    return tuple(_heads_first(h) for h in project_heads(encoder_output, [attention._key_dense,
-                                                                          attention._value_dense]))
+    w = attention.projections
+    return tuple(_heads_first(h) for h in project_heads(encoder_output, [w.key, w.value]))
 
 
 def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
@@ -171,7 +164,7 @@ def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
     Returns (output `[rows, 1, dim]`, the cache with the new position's keys and values).
     """
     query, new_keys, new_values = project_heads(
-        x, [attention._query_dense, attention._key_dense, attention._value_dense])
+        x, [attention.projections.query, attention.projections.key, attention.projections.value])
     keys = _write_at(cache[0], cache_index, _heads_first(new_keys), fixed_shapes)
     values = _write_at(cache[1], cache_index, _heads_first(new_values), fixed_shapes)
     mask = None
@@ -181,7 +174,7 @@ def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
     # mask to build (the ops of a mask cost more than its arithmetic at one position).
     output = _attend(attention, _heads_first(query), keys, values, mask, fixed_shapes)
     output = _heads_first(output)  # [rows, num_heads, 1, d] -> [rows, 1, num_heads, d]: its own inverse
-    return project_output(output, attention._output_dense), (keys, values)
+    return project_output(output, attention.projections.output), (keys, values)
 
 
 def _cross_attention_step(attention, x, cache, source_mask, fixed_shapes):
@@ -195,12 +188,12 @@ def _cross_attention_step(attention, x, cache, source_mask, fixed_shapes):
     keys, values = cache
     sentences = tf.shape(keys)[0]
     query = tf.reshape(
-        project_heads(x, [attention._query_dense])[0], [sentences, -1, attention.num_heads, 1, attention.key_dim]
+        project_heads(x, [attention.projections.query])[0], [sentences, -1, attention.num_heads, 1, attention.key_dim]
     )
     mask = source_mask[:, None, :][:, None]  # [sentences, 1, 1, source_len]
     output = _attend(attention, query, keys[:, None], values[:, None], mask, fixed_shapes)
     output = tf.reshape(output, [-1, 1, attention.num_heads, attention.value_dim])
-    return project_output(output, attention._output_dense)
+    return project_output(output, attention.projections.output)
 
 
 def _attend(attention, query, key, value, attention_mask, fixed_shapes=False):

@@ -3,7 +3,8 @@
 import keras
 from keras import ops
 
-from keras_transformer.linear import is_plain, project_heads, project_output
+from keras_transformer.keras_internals import AttentionProjections, attention_is_plain, attention_projections
+from keras_transformer.linear import project_heads, project_output
 from keras_transformer.masking import MASKED_SCORE, causal_mask
 
 
@@ -64,6 +65,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     Reference: Vaswani et al., "Attention Is All You Need", 2017, section 3.2.
     """
 
+    @property
+    def projections(self) -> AttentionProjections:
+        """The layer's W^Q, W^K, W^V and W^O (`EinsumDense` layers, Keras' own weights), e.g. to compute
+        with them elsewhere, as the TensorFlow serving engine does (`export/step.py`)."""
+        return attention_projections(self)
+
+    def is_plain(self):
+        """True when the layer uses no option beyond the paper's attention (no `use_gate`,
+        `sliding_window`, other `attention_axes` or quantized kernels): what the cache supports."""
+        return attention_is_plain(self)
+
     def empty_cache(self, batch_size, max_length):
         """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention."""
         shape = (batch_size, self.num_heads, max_length, self.key_dim)
@@ -78,7 +90,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
              return_attention_scores=False, training=None, use_causal_mask=False, cache=None, cache_index=None):
-        if not self._is_plain():
+        if not self.is_plain():
             if cache is not None:
                 raise ValueError(
                     "The key/value cache supports plain multi-head attention only, not use_gate, "
@@ -102,7 +114,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             query_heads, key_heads, value_heads = self._project_heads(query, value, key)
             key_heads, value_heads = _heads_first(key_heads), _heads_first(value_heads)
         elif cache_index is None:  # cross-attention: keys and values were projected once
-            query_heads = _project(query, self._query_dense)
+            query_heads = _project(query, self.projections.query)
             key_heads, value_heads = cache
         else:  # self-attention: this call's keys and values written into the buffer
             query_heads, new_keys, new_values = self._project_heads(query, value, key)
@@ -113,7 +125,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             attention_mask = causal if attention_mask is None else ops.logical_and(
                 ops.cast(attention_mask, "bool"), causal)
         output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
-        output = project_output(_heads_first(output), self._output_dense)
+        output = project_output(_heads_first(output), self.projections.output)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
             outputs += (cache,)
@@ -121,15 +133,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     def _project_heads(self, query, value, key):
         """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input."""
+        w = self.projections
         if query is value and key is value:
-            return project_heads(query, [self._query_dense, self._key_dense, self._value_dense])
-        return (_project(query, self._query_dense), *self._project_keys_values(value, key))
+            return project_heads(query, [w.query, w.key, w.value])
+        return (_project(query, w.query), *self._project_keys_values(value, key))
 
     def _project_keys_values(self, value, key):
         """K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul when `key is value`."""
+        w = self.projections
         if key is value:
-            return tuple(project_heads(value, [self._key_dense, self._value_dense]))
-        return _project(key, self._key_dense), _project(value, self._value_dense)
+            return tuple(project_heads(value, [w.key, w.value]))
+        return _project(key, w.key), _project(value, w.value)
 
     def _compute_attention(
         self, query, key, value, attention_mask=None, training=None, return_attention_scores=False, **kwargs
@@ -140,7 +154,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         weights `[batch, num_heads, query_len, key_len]`; `attention_mask`
         `[batch or 1, query_len, key_len]` is True where attention is allowed.
         """
-        if not self._is_plain():
+        if not self.is_plain():
             return super()._compute_attention(
                 query, key, value, attention_mask, training, return_attention_scores, **kwargs
             )
@@ -158,17 +172,6 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         weights = masked_softmax(scores, None if attention_mask is None else ops.cast(attention_mask, "bool")[:, None])
         dropped = self._dropout_layer(weights, training=training) if self._dropout > 0.0 else weights
         return ops.matmul(dropped, value), weights
-
-    def _is_plain(self):
-        """True when the layer uses no option beyond the paper's attention (see the class docstring)."""
-        return (
-            not getattr(self, "_use_gate", False)  # gate and sliding window are newer than keras 3.12
-            and getattr(self, "_sliding_window", None) is None
-            and tuple(self._attention_axes) == (1,)
-            and all(
-                is_plain(dense) for dense in (self._query_dense, self._key_dense, self._value_dense, self._output_dense)
-            )
-        )
 
 
 def masked_softmax(scores, mask):

@@ -297,6 +297,15 @@ def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
     np.testing.assert_allclose(xla_scores.numpy(), scores.numpy(), rtol=1e-4)
 
 
+def test_the_engine_names_an_attention_it_does_not_compute():
+    """The engine computes the paper's attention from the layer's public `projections`; a layer that is not
+    plain (`is_plain()`: here int8-quantized kernels) is one clear error naming the layer."""
+    model = random_model(0)
+    model.quantize("int8")
+    with pytest.raises(ValueError, match=r"plain multi-head attention only.*'transformer/decoder/layer_0/self_attention'"):
+        greedy_decode(model, random_ids(np.random.default_rng(0), 1, 4, high=24), START, END)
+
+
 @pytest.mark.parametrize("search", [greedy_decode, beam_search])
 def test_growing_shapes_under_xla_are_one_clear_error(copy_model, search):
     """Fixed or growing shapes is the caller's explicit choice (the export decides it where it decides XLA);

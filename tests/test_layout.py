@@ -124,3 +124,20 @@ def test_no_measured_figure_in_code():
                 flagged = {text.count("\n", 0, m.start()) for m in MEASURED_FIGURE.finditer(text)}
                 findings += [f"{path.relative_to(REPO)}:{first_line + i}: {lines[i].strip()}" for i in sorted(flagged)]
     assert findings == [], "measured figures (give the reason, point to BENCHMARKS.md):\n" + "\n".join(findings)
+
+
+KERAS_ATTENTION_STATE = re.compile(r"\._(?:query|key|value|output)_dense\b|_use_gate\b|_sliding_window\b|"
+                                   r"\._attention_axes\b")
+
+
+def test_keras_private_attention_state_is_read_in_one_adapter():
+    """Issue 42: the attention's weights and options, which Keras keeps in private attributes, are read only in
+    keras_transformer/keras_internals.py (labelled with the Keras version); the library's layer and the serving
+    engine use its public `projections` and `is_plain()`."""
+    readers = sorted(
+        f"{path.relative_to(REPO)}:{number}"
+        for folder in ("keras_transformer", "export", "training")
+        for path in (REPO / folder).rglob("*.py") if path != REPO / "keras_transformer" / "keras_internals.py"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if KERAS_ATTENTION_STATE.search(line))
+    assert readers == []
