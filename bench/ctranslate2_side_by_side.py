@@ -76,7 +76,7 @@ the fastest setting of each compute type (issue 27, item 2). CTranslate2
 picks its matrix-product backend once per process: MKL on a GenuineIntel
 CPU, oneDNN elsewhere, or oneDNN everywhere with `CT2_USE_MKL=0`. Run the
 comparison both ways on an Intel CPU: the fastest thread layout can differ
-between the two (BENCHMARKS.md, "On the Intel Xeon with AMX, int8 and
+between the two (docs/benchmarks-log.md, "On the Intel Xeon with AMX, int8 and
 float32").
 Identity and sacreBLEU are of the largest batch size (64: all sentences;
 `--outputs DIR` writes both systems' translations). Keep the CPU line (model

@@ -51,7 +51,7 @@ def worker_env() -> dict:
 
     `ONEDNN_MAX_CPU_ISA=AVX2` (the stand-in for an AVX2-only CPU) caps every library's kernels, not only
     oneDNN's: PyTorch's own (`ATEN_CPU_CAPABILITY=avx2`) and MKL's, which computes PyTorch's float32
-    products on x86 and would otherwise keep using AVX-512 on an Intel CPU (BENCHMARKS.md, "On an Intel
+    products on x86 and would otherwise keep using AVX-512 on an Intel CPU (docs/benchmarks-log.md, "On an Intel
     Xeon with AMX")."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)

@@ -25,7 +25,7 @@ def engine_model(model, dtype=None, untie_output_projection=False):
         model: a built `keras_transformer.Transformer`.
         dtype: the Keras dtype policy of the copy: "bfloat16" (weights stored in bfloat16) rather than
             mixed_bfloat16 for a bfloat16 decode: the same bfloat16 matmuls, minus a cast of every
-            weight at every decoding step (a visible part of a step's time on CPU; BENCHMARKS.md, "The
+            weight at every decoding step (a visible part of a step's time on CPU; docs/benchmarks-log.md, "The
             per-step weight casts"); "float32" for the XLA decoder;
             None: `model`'s own.
         untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
@@ -33,7 +33,7 @@ def engine_model(model, dtype=None, untie_output_projection=False):
             and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul reads them
             faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`: on a 2-core
             EPYC, greedy and beam 4 decode faster at batch 1, greedy less so at batch 8, with the same
-            tokens (BENCHMARKS.md, "The XLA decoder's output projection"). It costs the export one
+            tokens (docs/benchmarks-log.md, "The XLA decoder's output projection"). It costs the export one
             more `[d_model, vocab]` float32 variable.
 
     Returns:

@@ -231,7 +231,7 @@ def _attend_one_position(query, key, value, mask):
     2-core EPYC whatever its size, a visible part of a batch-1 decoding step for 6 attentions.
     Elementwise products and sums were several times cheaper at batch 1, but a
     sentence's result then depended on its batch (the cheaper form pays only below a size)
-    and the cached step no longer equalled the full pass token for token (BENCHMARKS.md,
+    and the cached step no longer equalled the full pass token for token (docs/benchmarks-log.md,
     "Again after cutting the ops of a step").
     Returns the output and the weights.
     """

@@ -20,7 +20,7 @@ from training import ONEDNN_ENV
 if not os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 # TensorFlow (since 2.9) turns its oneDNN kernels on by default only on CPUs with AVX512_VNNI, AVX512_BF16
-# or AMX; on an AVX2-only CPU it then trains on its Eigen kernels, much slower (BENCHMARKS.md, issue 27).
+# or AMX; on an AVX2-only CPU it then trains on its Eigen kernels, much slower (docs/benchmarks-log.md, issue 27).
 # It reads the variable once, when it loads. A value the user set wins (0 turns oneDNN off).
 os.environ.setdefault(ONEDNN_ENV, "1")
 quiet_import_for_commands(__name__)
