@@ -15,8 +15,9 @@ from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised
                       random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from export import search, step
 from export.engine_weights import engine_model
-from export.search import _block_length, _most_likely_token, _next_tokens, _top_k, beam_search, greedy_decode
+from export.search import GRAPH_OPS, _block_length, _top_k, beam_search, greedy_decode
 from export.translator import load_model_dir
+from keras_transformer.strategies import most_likely_token, next_tokens
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
 
@@ -77,19 +78,33 @@ def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
     np.testing.assert_array_equal(tokens[:, 0, :best.shape[1]], np.asarray(best))
 
 
-def test_the_engines_prefixed_beam_search_is_the_librarys(copy_model):
-    """A target prefix per sentence: the same tokens and scores, in one loop and in two (sentences leave the batch
-    with their prefix), the cache and no cache."""
+@pytest.mark.parametrize("search_name, options", [
+    ("beam", {"prefix": True}), ("greedy", {"prefix": True}),
+    ("beam", {"no_repeat_ngram_size": 1}), ("greedy", {"no_repeat_ngram_size": 1}),
+    ("beam", {"no_repeat_ngram_size": 2, "prefix": True})])
+def test_the_engines_options_are_the_librarys(copy_model, search_name, options):
+    """A target prefix per sentence and a ban on repeated n-grams, in greedy decoding and beam search: the
+    same tokens and scores, in one loop and in two (sentences leave the batch with their prefix), the cache
+    and no cache. (The copy task repeats tokens of its source: the ban changes outputs.)"""
     source = copy_sources(23, 32)
     source[::4, 3:] = 0
     source[::4, 3] = END
     prefix = copy_prefixes(0, 32)
-    library_tokens, library_scores = tf.function(
-        lambda s, p: kt.beam_search(copy_model, s, START, END, beam_size=4, prefix_ids=p))(source, prefix)
+    options = dict(options)
+    with_prefix, n = options.pop("prefix", False), options.get("no_repeat_ngram_size", 0)
+    beam_size = {"beam_size": 4} if search_name == "beam" else {}
+    library_search, engine_search = {"beam": (kt.beam_search, beam_search),
+                                     "greedy": (kt.greedy_decode, greedy_decode)}[search_name]
+    library_tokens, library_scores = tf.function(lambda s, p: library_search(
+        copy_model, s, START, END, prefix_ids=p if with_prefix else None, **beam_size, **options))(source, prefix)
+    if n:
+        plain, _ = tf.function(lambda s: library_search(copy_model, s, START, END, **beam_size))(source)
+        assert trimmed(plain).tolist() != trimmed(library_tokens).tolist()
     for loops, use_cache in ((1, True), (2, True), (1, False)):
-        tokens, scores = tf.function(lambda s, p: search.parallel_decode(lambda ids, prefix: beam_search(
-            copy_model, ids, START, END, beam_size=4, use_cache=use_cache, prefix_ids=prefix), s, loops, p))(
-            source, prefix)
+        tokens, scores = tf.function(lambda s, p: search.parallel_decode(lambda ids, prefix: engine_search(
+            copy_model, ids, START, END, use_cache=use_cache, prefix_ids=prefix if with_prefix else None, **beam_size,
+            **options),
+            s, loops, p))(source, prefix)
         np.testing.assert_array_equal(trimmed(tokens), trimmed(library_tokens))
         np.testing.assert_allclose(np.asarray(scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
 
@@ -97,7 +112,7 @@ def test_the_engines_prefixed_beam_search_is_the_librarys(copy_model):
 def test_the_engines_samples_are_the_librarys(copy_model):
     """Sampling with per-sentence seeds, temperatures and top-k: the same draws (the same hash noise), in one loop
     and in two (rows leave the batch with their settings)."""
-    from keras_transformer.decoding import Sampling
+    from keras_transformer.strategies import Sampling
 
     source = copy_sources(24, 32)
     source[::4, 3:] = 0
@@ -340,13 +355,15 @@ def test_blockwise_top_k_equals_top_k_ties_included(vocab, n):
     np.testing.assert_array_equal(ids.numpy(), expected.indices.numpy())
 
 
-def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_the_limit():
+def test_next_tokens_on_the_engines_ops_follow_the_log_softmax_never_padding_and_only_the_end_at_the_limit():
+    """The library's token rules on the engine's array ops (a top-k by blocks: 240 = 16 blocks of 15)."""
     rng = np.random.default_rng(0)
     logits = rng.normal(scale=3.0, size=(5, 240)).astype("float32")
     logits[0, 0] = 100.0  # padding would be the most likely token
     at_limit = np.array([False, True, False, False, True])
-    best = _next_tokens(tf.constant(logits), tf.constant(at_limit), END, 4)
-    most_likely = _most_likely_token(tf.constant(logits), tf.constant(at_limit), END)
+    assert _block_length(240, 5) is not None
+    best = next_tokens(tf.constant(logits), tf.constant(at_limit), END, 4, search_ops=GRAPH_OPS)
+    most_likely = most_likely_token(tf.constant(logits), tf.constant(at_limit), END, search_ops=GRAPH_OPS)
     log_probs = tf.nn.log_softmax(logits).numpy()  # over the whole vocabulary, padding included
     allowed = log_probs.copy()
     allowed[:, 0] = -np.inf
@@ -360,8 +377,8 @@ def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_th
     np.testing.assert_allclose(best.log_prob.numpy()[at_limit, 0], log_probs[at_limit, END], rtol=1e-5)
     assert (best.log_prob.numpy()[at_limit, 1:] < -1e8).all()
     # The greedy choice is the first of them.
-    np.testing.assert_array_equal(most_likely.token.numpy(), best.token.numpy()[:, :1])
-    np.testing.assert_allclose(most_likely.log_prob.numpy(), best.log_prob.numpy()[:, :1], rtol=1e-6)
+    np.testing.assert_array_equal(most_likely.token.numpy(), best.token.numpy()[:, 0])
+    np.testing.assert_allclose(most_likely.log_prob.numpy(), best.log_prob.numpy()[:, 0], rtol=1e-6)
 
 
 def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model):

@@ -141,3 +141,34 @@ def test_keras_private_attention_state_is_read_in_one_adapter():
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         if KERAS_ATTENTION_STATE.search(line))
     assert readers == []
+
+
+def _private_imports_from_the_library(path):
+    """`module.name` for each `_`-prefixed name that the file at `path` imports from `keras_transformer` (or
+    reads as an attribute of a `keras_transformer` module it imports)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, library_modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "keras_transformer":
+            found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+            library_modules |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            library_modules |= {(alias.asname or alias.name).split(".")[0] for alias in node.names
+                                if alias.name.split(".")[0] == "keras_transformer"}
+    found += [f"{node.value.id}.{node.attr}" for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in library_modules and node.attr.startswith("_") and not node.attr.startswith("__")]
+    return found
+
+
+def test_the_serving_engine_imports_no_private_name_of_the_library(tmp_path):
+    """Issue 42: `export/` reaches the library through its public names only (the strategies, `SearchOps`,
+    the layers' `projections`), as CTranslate2 never imports its trainer's internals."""
+    private = {f"{path.relative_to(REPO)}: {name}" for path in sorted((REPO / "export").rglob("*.py"))
+               for name in _private_imports_from_the_library(path)}
+    assert private == set()
+    # The check itself sees such an import.
+    probe = tmp_path / "probe.py"
+    probe.write_text("from keras_transformer.decoding import _no_gradient\nfrom keras_transformer import decoding\n"
+                     "decoding._prepare\n")
+    assert _private_imports_from_the_library(probe) == ["keras_transformer.decoding._no_gradient", "decoding._prepare"]

@@ -8,7 +8,8 @@ import keras_transformer as kt
 from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised_log_probs, copy_sources,
                       full_pass_decoder, never_ending_model,
                       random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
-from keras_transformer.decoding import _beam_search, _greedy_decode, _most_likely_token, _next_tokens
+from keras_transformer.decoding import _beam_search, _greedy_decode
+from keras_transformer.strategies import most_likely_token, next_tokens
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
 from portable.conftest import jit, to_numpy
@@ -61,8 +62,8 @@ def test_next_tokens_follow_the_log_softmax_never_padding_and_only_the_end_at_th
     logits = rng.normal(scale=3.0, size=(5, 240)).astype("float32")
     logits[0, 0] = 100.0  # padding would be the most likely token
     at_limit = np.array([False, True, False, False, True])
-    best = _next_tokens(ops.convert_to_tensor(logits), ops.convert_to_tensor(at_limit), END, 4)
-    most_likely = _most_likely_token(ops.convert_to_tensor(logits), ops.convert_to_tensor(at_limit), END)
+    best = next_tokens(ops.convert_to_tensor(logits), ops.convert_to_tensor(at_limit), END, 4)
+    most_likely = most_likely_token(ops.convert_to_tensor(logits), ops.convert_to_tensor(at_limit), END)
     log_probs = to_numpy(ops.log_softmax(logits))  # over the whole vocabulary, padding included
     allowed = log_probs.copy()
     allowed[:, 0] = -np.inf
@@ -136,10 +137,10 @@ def test_n_best_is_sorted_distinct_scored_and_led_by_the_best(copy_model):
 def test_without_distinct_hypotheses_the_greedy_one_can_be_there_twice(copy_model, monkeypatch):
     """Why `distinct`: the greedy hypothesis is often also a beam's, and the pool then holds it twice.
     (If this stopped finding a copy, the n-best test above would no longer test distinctness.)"""
-    from keras_transformer import decoding
+    from keras_transformer.strategies import Beam
 
-    finish = decoding._finish_hypotheses
-    monkeypatch.setattr(decoding, "_finish_hypotheses", lambda *args, **kwargs: finish(*args[:8]))
+    finish = Beam._finish  # with n_best, it adds the greedy hypothesis only if no beam found it
+    monkeypatch.setattr(Beam, "_finish", lambda self, *args: finish(self._replace(n_best=None), *args))
     tokens, _ = kt.beam_search(copy_model, copy_sources(5, 16), START, END, beam_size=4, n_best=4)
     assert any(len({tuple(row[row != 0]) for row in rows}) < 4 for rows in to_numpy(tokens))
 
