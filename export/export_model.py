@@ -74,8 +74,10 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 
 
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
-           use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto") -> Path:
-    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `parallel_loops`: see `decode_loops`."""
+           use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto",
+           no_repeat_ngram_size=0) -> Path:
+    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `parallel_loops`: see `decode_loops`;
+    `no_repeat_ngram_size`: see `Translator`."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
     version = next_version(base) if version is None else int(version)
@@ -84,7 +86,7 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
     translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
                                            use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch,
-                                           parallel_loops=parallel_loops)
+                                           parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
         translator.save(tmp)
@@ -124,14 +126,18 @@ def build_parser():
     p.add_argument("--xla-max-batch", type=int, default=0, metavar="N",
                    help="decode batches of at most N sentences with the search compiled by XLA in float32 (faster at "
                         "batch 1 on CPU, where the graph's step costs the dispatch of its many small ops; each new "
-                        "input shape compiles once, for seconds; BENCHMARKS.md, \"With small batches under XLA\"). "
+                        "input shape compiles once, for seconds; docs/benchmarks-log.md, "
+                        "\"With small batches under XLA\"). "
                         "The model server must then run with --xla_cpu_compilation_enabled. Default 0: no XLA")
     p.add_argument("--parallel-loops", default="auto", metavar="N",
                    help="decode a batch in N loops at once, outside XLA (one loop keeps about one core busy: at batch "
                         "64 on 2 cores, with the flags that follow, greedy and beam 4 decode faster than one loop on "
-                        "the same threads; BENCHMARKS.md, \"Two decoding loops per batch\"); "
+                        "the same threads; docs/benchmarks-log.md, \"Two decoding loops per batch\"); "
                         "serve with --tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1. "
                         "Default auto: one per CPU of THIS machine, at most 8")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+                   help="N > 0: no translation of any signature repeats an N-gram of pieces, against outputs that "
+                        "loop (as the library's searches' no_repeat_ngram_size). Default 0: no ban")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
                    help="do not check that every op is one tensorflow_model_server has")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -144,6 +150,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.xla_max_batch < 0:
         parser.error(f"--xla-max-batch must be >= 0 (0: no XLA), got {args.xla_max_batch}")
+    if args.no_repeat_ngram_size < 0:
+        parser.error(f"--no-repeat-ngram-size must be >= 0 (0: no ban), got {args.no_repeat_ngram_size}")
     try:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
@@ -163,7 +171,8 @@ def main(argv=None) -> int:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
                       model_file=args.model_file, beam_size=args.beam_size, alpha=args.alpha,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
-                      xla_max_batch=args.xla_max_batch, parallel_loops=loops)
+                      xla_max_batch=args.xla_max_batch, parallel_loops=loops,
+                      no_repeat_ngram_size=args.no_repeat_ngram_size)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ compiled by XLA (`tf.function(jit_compile=True)`) in float32, and larger
 batches with the graph decoder. A small batch's step is a few MFLOP spread
 over some 300 ops, so it costs the executor's dispatch of each op; XLA runs
 the whole loop as one compiled program (much faster than the graph at
-batch 1; BENCHMARKS.md, "With small batches under XLA").
+batch 1; docs/benchmarks-log.md, "With small batches under XLA").
 At batch 64 XLA is no faster (greedy) or slower (beam search: every row stays
 in its fixed-shape loop until the last sentence ends), hence the threshold.
 XLA compiles once per input shape, so the source is padded to a multiple of
@@ -100,7 +100,7 @@ import tensorflow as tf
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
 from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
-from keras_transformer.decoding import Sampling
+from keras_transformer.strategies import Sampling
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
@@ -252,6 +252,9 @@ class Translator(tf.Module):
         parallel_loops: a batch decodes in this many loops at once, outside
             XLA (see the module docstring); 1: one loop; "auto": see
             `decode_loops`.
+        no_repeat_ngram_size: n > 0: no output of any signature gets an
+            n-gram (n consecutive pieces) twice, as the library's searches'
+            `no_repeat_ngram_size`; 0 (default): no ban.
 
     Functions (each a `tf.function`; `signatures()` names them):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
@@ -272,12 +275,16 @@ class Translator(tf.Module):
     """
 
     def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, alpha=0.6, use_cache=True,
-                 tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, name="translator"):
+                 tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
+                 name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if xla_max_batch < 0:
             raise ValueError(f"xla_max_batch must be >= 0 (0: no XLA), got {xla_max_batch}")
+        if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
+        self.no_repeat_ngram_size = no_repeat_ngram_size
         parallel_loops, _ = decode_loops(parallel_loops)  # names a bad count before anything is traced
         if max_source_length is not None and max_source_length < 2:
             raise ValueError(f"max_source_length must be >= 2 (one piece and the end id), got {max_source_length}")
@@ -322,7 +329,7 @@ class Translator(tf.Module):
 
     @classmethod
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
-                       precision="auto", xla_max_batch=0, parallel_loops=1):
+                       precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
         """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`); with
         `xla_max_batch`, small batches under XLA in float32, the output projection stored
@@ -333,7 +340,7 @@ class Translator(tf.Module):
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
-                   parallel_loops=parallel_loops)
+                   parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
 
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
@@ -371,7 +378,8 @@ class Translator(tf.Module):
 
         def decode(ids, *rows):
             options = tf.nest.pack_sequence_as(row_options, list(rows))
-            return search(ids, alpha=self.alpha, use_cache=self.use_cache, fixed_shapes=fixed_shapes, **options)
+            return search(ids, alpha=self.alpha, use_cache=self.use_cache, fixed_shapes=fixed_shapes,
+                          no_repeat_ngram_size=self.no_repeat_ngram_size, **options)
 
         loops = 1 if fixed_shapes else self.parallel_loops
         return parallel_decode(decode, source_ids, loops, *tf.nest.flatten(row_options))

@@ -170,3 +170,38 @@ def test_the_align_signature_names_one_source_piece_per_output_piece(exported, r
     expected = np.asarray(kt.align_targets(reference["model"], source, tokens, START_ID, END_ID))[:, :length]
     np.testing.assert_array_equal(alignment[:8], expected[:8])
     np.testing.assert_array_equal(alignment[9], expected[9])
+
+
+def test_an_export_with_no_repeat_ngram_size_bans_repeats_in_every_search_as_the_library(quick_model_dir, reference):
+    """`kt-export --no-repeat-ngram-size N` (`Translator(no_repeat_ngram_size=N)`): the greedy, beam and n-best
+    outputs are the library's searches with the same ban, and no output repeats a piece."""
+    from export.translator import Translator
+
+    texts = multi30k_lines("test_2016_flickr.en", 24)
+    translator = Translator.from_model_dir(quick_model_dir, beam_size=4, no_repeat_ngram_size=1, parallel_loops=2)
+    source = reference["source_ids"](texts)
+    model, detokenize = reference["model"], reference["detokenize"]
+    library = {
+        "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, alpha=0.6,
+                                                         no_repeat_ngram_size=1))(source)[0],
+        "beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, alpha=0.6,
+                                                     no_repeat_ngram_size=1))(source)[0],
+        "n_best": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, alpha=0.6, n_best=4,
+                                                       no_repeat_ngram_size=1))(source)[0],
+    }
+    served = {"greedy": translator.translate_greedy(tf.constant(texts))["translation"],
+              "beam": translator.translate(tf.constant(texts))["translation"],
+              "n_best": translator.translate_n_best(tf.constant(texts))["translations"]}
+    assert [t.decode() for t in served["greedy"].numpy()] == detokenize(library["greedy"])
+    assert [t.decode() for t in served["beam"].numpy()] == detokenize(library["beam"])
+    n_best = np.asarray(library["n_best"])
+    assert [[t.decode() for t in row] for row in served["n_best"].numpy()] == [
+        list(row) for row in zip(*(detokenize(n_best[:, i]) for i in range(4)))]
+    plain = tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID))(source)[0]
+    assert detokenize(plain) != detokenize(library["greedy"])  # the quick model repeats pieces: the ban matters
+    for tokens in (library["greedy"], library["beam"], n_best.reshape(-1, n_best.shape[-1])):
+        for row in np.asarray(tokens):
+            pieces = [int(i) for i in row if i not in (0, END_ID)]
+            assert len(pieces) == len(set(pieces))
+    with pytest.raises(ValueError, match="no_repeat_ngram_size must be an int >= 0"):
+        Translator.from_model_dir(quick_model_dir, no_repeat_ngram_size=-1)
