@@ -25,8 +25,9 @@ greedy step went from ~510 to ~330 executed ops:
   (`_attend_one_position`);
 - beam hypotheses read their sentence's cross-attention keys and values by broadcasting.
 
-`uncached_logits` is the decoder by its definition, through the library's own layers (no cache): the
-slow reference of `--no-cache` exports.
+`uncached_logits` is the decoder by its definition, the library's own full pass (no cache): the slow
+reference of `--no-cache` exports. The caches are the library's layers' own (`empty_cache`,
+`compute_cache`).
 """
 
 import math
@@ -36,7 +37,7 @@ import tensorflow as tf
 
 from export.tf_internals import eigen_batch_matmul
 from keras_transformer.linear import project_heads, project_output
-from keras_transformer.masking import MASKED_SCORE, PAD_ID
+from keras_transformer.masking import MASKED_SCORE, causal_mask
 
 
 # ------------------------------------------------------------------ the step
@@ -59,8 +60,8 @@ def init_cache(model, encoder_output, max_length):
             _check_plain(attention)
     batch_size = tf.shape(encoder_output)[0]
     return {
-        "self_attention": [_empty_cache(layer.self_attention, batch_size, max_length) for layer in layers],
-        "cross_attention": [_source_cache(layer.cross_attention, encoder_output) for layer in layers],
+        "self_attention": [layer.self_attention.empty_cache(batch_size, max_length) for layer in layers],
+        "cross_attention": [layer.cross_attention.compute_cache(encoder_output) for layer in layers],
     }
 
 
@@ -145,19 +146,6 @@ def _check_plain(attention):
         )
 
 
-def _empty_cache(attention, batch_size, max_length):
-    """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention."""
-    shape = [batch_size, attention.num_heads, max_length, attention.key_dim]
-    return tf.zeros(shape, dtype=attention.compute_dtype), tf.zeros(shape, dtype=attention.compute_dtype)
-
-
-def _source_cache(attention, encoder_output):
-    """The cross-attention keys and values of `encoder_output` `[batch, length, dim]`, projected once (one
-    fused matmul): `(keys, values)`, each `[batch, num_heads, length, key_dim]`."""
-    w = attention.projections
-    return tuple(_heads_first(h) for h in project_heads(encoder_output, [w.key, w.value]))
-
-
 def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
     """Self-attention of one new position per row, `x` `[rows, 1, dim]`, written into `cache` at `cache_index`.
 
@@ -169,7 +157,7 @@ def _self_attention_step(attention, x, cache, cache_index, fixed_shapes):
     values = _write_at(cache[1], cache_index, _heads_first(new_values), fixed_shapes)
     mask = None
     if fixed_shapes:  # a fixed buffer: the positions after `cache_index` are not written yet
-        mask = _causal_mask(tf.shape(query)[1], tf.shape(keys)[2], start=cache_index)
+        mask = causal_mask(tf.shape(query)[1], tf.shape(keys)[2], start=cache_index)
     # One new query at the end of a growing cache may attend to all of it: no causal
     # mask to build (the ops of a mask cost more than its arithmetic at one position).
     output = _attend(attention, _heads_first(query), keys, values, mask, fixed_shapes)
@@ -269,13 +257,6 @@ def _write_at(heads, index, update, fixed_shapes):
     return tf.concat([heads, update], axis=2)
 
 
-def _causal_mask(query_length, key_length, start):
-    """`[1, query_length, key_length]` bool: query `start + i` attends to keys `<= start + i`."""
-    query_positions = start + tf.range(query_length)[:, None]
-    key_positions = tf.range(key_length)[None, :]
-    return (key_positions <= query_positions)[None]
-
-
 # ------------------------------------------------------------------ heads
 
 
@@ -296,22 +277,9 @@ def _heads_first(x):
 
 def uncached_logits(model, target_ids, encoder_output, source_mask):
     """The decoder by its definition: logits `[rows, target_len, vocab]` of every position of `target_ids`
-    `[rows, target_len]` (start id first), from a full pass through the library's own layers, no cache.
+    `[rows, target_len]` (start id first): the library's own full pass (`Transformer.decode`), no cache.
 
     The slow reference the cached step must equal (`use_cache=False`). `encoder_output` and `source_mask`
     are one per row.
     """
-    x = model.target_embedding(target_ids, training=False)
-    length = tf.shape(target_ids)[1]
-    self_mask = tf.logical_and(_causal_mask(length, length, start=0), tf.not_equal(target_ids, PAD_ID)[:, None, :])
-    cross_mask = source_mask[:, None, :]
-    for layer in model.decoder.decoder_layers:
-        x, _ = _residual_block(layer, layer.self_attention_norm, x, lambda h, layer=layer: (
-            layer.self_attention(h, h, attention_mask=self_mask, training=False), None))
-        x, _ = _residual_block(layer, layer.cross_attention_norm, x, lambda h, layer=layer: (
-            layer.cross_attention(h, encoder_output, attention_mask=cross_mask, training=False), None))
-        x, _ = _residual_block(layer, layer.feed_forward_norm, x, lambda h, layer=layer: (
-            layer.feed_forward(h), None))
-    if model.decoder.final_norm is not None:
-        x = model.decoder.final_norm(x)
-    return project(model, x)
+    return model.decode(target_ids, encoder_output, source_mask, training=False)

@@ -60,6 +60,10 @@ class SearchOps:
         top, index = ops.top_k(values, k)
         return top, ops.cast(index, "int32")
 
+    def argmax(self, values):
+        """The index (int32) of the largest of each row of `values` `[rows, n]`, ties to the lower index."""
+        return ops.cast(ops.argmax(values, axis=-1), "int32")
+
     def take_rows(self, x, index):
         """`x` `[batch, n, ...]` -> `[batch, m, ...]`: each batch entry's rows `index` `[batch, m]` (int32)."""
         extra_axes = len(x.shape) - 2
@@ -106,7 +110,7 @@ def most_likely_token(logits, at_limit, end_id, forced=None, bias=None, search_o
     """
     log_probs = ops.log_softmax(logits, axis=-1)
     ranked = log_probs + padding_bias(logits.shape[-1])
-    token = ops.cast(ops.argmax(ranked if bias is None else ranked + bias, axis=-1), "int32")
+    token = search_ops.argmax(ranked if bias is None else ranked + bias)
     if forced is not None:
         token = ops.where(forced >= 0, forced, token)
     if at_limit is not None:
@@ -153,7 +157,7 @@ def sampled_token(logits, at_limit, end_id, sampling, step, bias=None, search_op
     k = ops.where(sampling.top_k <= 0, vocab_size - 1, ops.minimum(sampling.top_k, vocab_size - 1))
     kth = ops.take_along_axis(ops.sort(allowed, axis=-1), (vocab_size - k)[:, None], axis=1)
     perturbed = allowed / sampling.temperature[:, None] + gumbel_noise(sampling.seed, step, vocab_size)
-    token = ops.cast(ops.argmax(ops.where(allowed >= kth, perturbed, float("-inf")), axis=-1), "int32")
+    token = search_ops.argmax(ops.where(allowed >= kth, perturbed, float("-inf")))
     if at_limit is not None:
         token = ops.where(at_limit, ops.cast(end_id, "int32"), token)
     return NextTokens(search_ops.take_rows(log_probs, token[:, None])[:, 0], token)

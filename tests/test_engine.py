@@ -188,7 +188,7 @@ def test_a_cache_of_free_length_grows_in_a_while_loop():
 
         free = tf.TensorShape([2, 4, None, 4])
         _, cache, outputs = tf.while_loop(
-            lambda t, *_: t < 6, body, (0, step._empty_cache(mha, 2, 0), tf.TensorArray(tf.float32, 6)),
+            lambda t, *_: t < 6, body, (0, mha.empty_cache(2, 0), tf.TensorArray(tf.float32, 6)),
             shape_invariants=(tf.TensorShape([]), (free, free), None),
         )
         return tf.transpose(outputs.stack(), [1, 0, 2]), cache
@@ -214,7 +214,7 @@ def test_a_fixed_buffer_is_written_in_place_under_xla():
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         _, cache, outputs = tf.while_loop(
-            lambda t, *_: t < 6, body, (0, step._empty_cache(mha, 2, 6), tf.TensorArray(tf.float32, 6)))
+            lambda t, *_: t < 6, body, (0, mha.empty_cache(2, 6), tf.TensorArray(tf.float32, 6)))
         return tf.transpose(outputs.stack(), [1, 0, 2]), cache
 
     stepped, cache = step_by_step(x)
@@ -235,7 +235,7 @@ def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
 
     @tf.function
     def step_by_step(x):
-        source_cache = step._source_cache(cross_mha, memory)
+        source_cache = cross_mha.compute_cache(memory)
 
         def body(t, cache, outputs):
             y, cache = step._self_attention_step(self_mha, x[:, t : t + 1], cache, t, False)
@@ -244,7 +244,7 @@ def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
 
         free = tf.TensorShape([2, 4, None, 4])
         _, _, outputs = tf.while_loop(
-            lambda t, *_: t < 6, body, (0, step._empty_cache(self_mha, 2, 0), tf.TensorArray(tf.bfloat16, 6)),
+            lambda t, *_: t < 6, body, (0, self_mha.empty_cache(2, 0), tf.TensorArray(tf.bfloat16, 6)),
             shape_invariants=(tf.TensorShape([]), (free, free), None),
         )
         return tf.transpose(outputs.stack(), [1, 0, 2])
@@ -265,7 +265,7 @@ def test_hypotheses_read_their_sentence_cross_attention_cache():
     mha = kt.MultiHeadAttention(num_heads=2, key_dim=8)
     repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
     full = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :])
-    shared = step._cross_attention_step(mha, tf.constant(query), step._source_cache(mha, memory),
+    shared = step._cross_attention_step(mha, tf.constant(query), mha.compute_cache(memory),
                                         tf.constant(memory_mask), False)
     np.testing.assert_allclose(shared.numpy(), np.asarray(full), atol=1e-5)
 
