@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from export.step import decode_step, init_cache, uncached_logits
+from export.step import decode_step, uncached_logits
 from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound, prepare  # noqa: F401
 from keras_transformer.masking import PAD_ID
-from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps
+from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps, check_options
 
 
 class GraphSearchOps(SearchOps):
@@ -70,13 +70,13 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
 
     Wrap the call in `tf.function`.
     """
-    _check_options(prefix_ids, no_repeat_ngram_size)
+    check_options(prefix_ids, no_repeat_ngram_size)
     if sampling is not None and prefix_ids is not None:
         raise ValueError("Sampling takes no target prefix (pass sampling or prefix_ids, not both)")
     check_shapes(fixed_shapes)
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
     strategy = Greedy(end_id, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
-    cache = init_cache(model, encoder_output, steps if fixed_shapes else 0) if use_cache else {}
+    cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0) if use_cache else {}
     state = strategy.start(tf.shape(encoder_output)[0], steps, start_id, cache, limits=limits,
                            prefix_ids=NOT_USED if prefix_ids is None else prefix_ids,
                            sampling=NOT_USED if sampling is None else Sampling(*sampling))
@@ -128,15 +128,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         raise ValueError(f"beam_size must be >= 1, got {k}")
     if n_best is not None and not 1 <= n_best <= k:
         raise ValueError(f"n_best must be from 1 to beam_size ({k}), got {n_best}")
-    _check_options(prefix_ids, no_repeat_ngram_size)
+    check_options(prefix_ids, no_repeat_ngram_size)
     check_shapes(fixed_shapes)
     encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
-    cache = init_cache(model, encoder_output, steps if fixed_shapes else 0) if use_cache else {}
-    if use_cache:
-        # Every hypothesis gets a row of the self-attention cache: [batch * (k + 1), ...], sentence-major.
-        # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
-        cache["self_attention"] = tf.nest.map_structure(lambda c: tf.repeat(c, k + 1, axis=0),
-                                                        cache["self_attention"])
+    # Every hypothesis gets a row of the self-attention cache: [batch * (k + 1), ...], sentence-major.
+    # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
+    cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0,
+                                      rows_per_sentence=k + 1) if use_cache else {}
     strategy = Beam(end_id, k, alpha, n_best=n_best, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
     state = strategy.start(tf.shape(encoder_output)[0], steps, start_id, cache, limits,
                            prefix_ids=NOT_USED if prefix_ids is None else prefix_ids)
@@ -264,12 +262,6 @@ def _prepare(model, source_ids, max_length, fixed_shapes):
     steps = prepared.steps if fixed_shapes else tf.reduce_max(tf.concat([prepared.limits, [1]], axis=0))
     return prepared.encoder_output, prepared.source_mask, prepared.limits, steps
 
-
-def _check_options(prefix_ids, no_repeat_ngram_size):
-    if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
-        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
-    if prefix_ids is not None and tf.convert_to_tensor(prefix_ids).shape.rank != 2:
-        raise ValueError(f"prefix_ids must have shape [batch, prefix_len], got shape {tf.shape(prefix_ids)}")
 
 
 def _next_logits_fn(model, start_id, use_cache, fixed_shapes):

@@ -100,7 +100,7 @@ import tensorflow as tf
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
 from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
-from keras_transformer.strategies import Sampling
+from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
@@ -282,8 +282,7 @@ class Translator(tf.Module):
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         if xla_max_batch < 0:
             raise ValueError(f"xla_max_batch must be >= 0 (0: no XLA), got {xla_max_batch}")
-        if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
-            raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
+        check_options(no_repeat_ngram_size=no_repeat_ngram_size)
         self.no_repeat_ngram_size = no_repeat_ngram_size
         parallel_loops, _ = decode_loops(parallel_loops)  # names a bad count before anything is traced
         if max_source_length is not None and max_source_length < 2:

@@ -1,9 +1,17 @@
 """Multi-head attention (paper section 3.2) with a key/value cache for decoding."""
 
+import math
+
 import keras
 from keras import ops
 
-from keras_transformer.keras_internals import AttentionProjections, attention_is_plain, attention_projections
+from keras_transformer.keras_internals import (
+    AttentionProjections,
+    attention_dropout_layer,
+    attention_is_plain,
+    attention_mask_of_call,
+    attention_projections,
+)
 from keras_transformer.linear import project_heads, project_output
 from keras_transformer.masking import MASKED_SCORE, causal_mask
 
@@ -50,6 +58,19 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     combined with the causal rule for self-attention). Pass the padding mask
     explicitly: Keras masks do not cross a compiled function's boundary.
 
+    A cross-attention cache may hold one entry per group of `g` consecutive
+    query rows (beam search's hypotheses of one sentence): `query`
+    `[entries * g, query_len, dim]` reads entry `i` from rows `i * g` to
+    `i * g + g - 1`, with `attention_mask` `[entries, 1, cache_length]`, so
+    the source is neither projected nor stored once per hypothesis.
+
+    How a cached call computes is `attention_ops` (an `AttentionOps`): the
+    default writes a fixed buffer and computes with `keras.ops`;
+    `AttentionOps(growing_cache=True)` appends to a cache that starts empty
+    (`empty_cache(batch, 0)`), and a runtime may subclass it to specialise
+    the attention product (the TensorFlow serving engine does, in
+    `export/step.py`).
+
     Example:
 
     ```python
@@ -77,7 +98,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return attention_is_plain(self)
 
     def empty_cache(self, batch_size, max_length):
-        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention."""
+        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention
+        (`max_length` 0 for a cache that grows, `AttentionOps(growing_cache=True)`)."""
         shape = (batch_size, self.num_heads, max_length, self.key_dim)
         return ops.zeros(shape, dtype=self.compute_dtype), ops.zeros(shape, dtype=self.compute_dtype)
 
@@ -89,42 +111,54 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return tuple(_heads_first(h) for h in self._project_keys_values(value, value if key is None else key))
 
     def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
-             return_attention_scores=False, training=None, use_causal_mask=False, cache=None, cache_index=None):
+             return_attention_scores=False, training=None, use_causal_mask=False, cache=None, cache_index=None,
+             attention_ops=None):
         if not self.is_plain():
             if cache is not None:
                 raise ValueError(
                     "The key/value cache supports plain multi-head attention only, not use_gate, "
-                    "sliding_window, attention_axes other than the sequence axis, or quantized kernels."
+                    f"sliding_window, attention_axes other than the sequence axis, or quantized kernels "
+                    f"(layer '{self.path}')."
                 )
             return super().call(query, value, key=key, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
                                 attention_mask=attention_mask, return_attention_scores=return_attention_scores,
                                 training=training, use_causal_mask=use_causal_mask)
 
+        attention_ops = attention_ops or KERAS_ATTENTION_OPS
         key = value if key is None else key
+        groups = None  # cross-attention: the shape of `query`'s heads, read by groups of rows
         if cache is None:
-            attention_mask = self._compute_attention_mask(
-                query,
-                value,
-                query_mask=query_mask,
-                value_mask=value_mask,
-                key_mask=key_mask,
-                attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask,
+            attention_mask = attention_mask_of_call(
+                self, query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                attention_mask=attention_mask, use_causal_mask=use_causal_mask,
             )
-            query_heads, key_heads, value_heads = self._project_heads(query, value, key)
-            key_heads, value_heads = _heads_first(key_heads), _heads_first(value_heads)
-        elif cache_index is None:  # cross-attention: keys and values were projected once
-            query_heads = _project(query, self.projections.query)
-            key_heads, value_heads = cache
-        else:  # self-attention: this call's keys and values written into the buffer
-            query_heads, new_keys, new_values = self._project_heads(query, value, key)
-            key_heads = _write_at(cache[0], cache_index, _heads_first(new_keys))
-            value_heads = _write_at(cache[1], cache_index, _heads_first(new_values))
+            query_heads, key_heads, value_heads = (_heads_first(h) for h in self._project_heads(query, value, key))
+        elif cache_index is None:  # cross-attention: keys and values were projected once, one entry per g rows
+            # [rows, heads, query_len, d] -> [entries, g, heads, query_len, d], read against the entries'
+            # keys and values broadcast over the g axis: a reshape, no copy of the cache per row.
+            query_heads = _heads_first(_project(query, self.projections.query))
+            entries, rows, groups = ops.shape(cache[0])[0], query_heads.shape[0], _sizes(query_heads, 1)
+            # g is inferred (-1) from dynamic shapes; static ones state it (an empty batch leaves nothing to infer).
+            static = isinstance(entries, int) and isinstance(rows, int)
+            g = (rows // entries if entries else 1) if static else -1
+            query_heads = ops.reshape(query_heads, (entries, g, *groups))
+            key_heads, value_heads = (ops.expand_dims(heads, 1) for heads in cache)
+            if attention_mask is not None:
+                attention_mask = ops.expand_dims(attention_mask, 1)
+        else:  # self-attention: this call's keys and values written into the cache
+            query_heads, new_keys, new_values = (_heads_first(h) for h in self._project_heads(query, value, key))
+            key_heads = attention_ops.write(cache[0], cache_index, new_keys)
+            value_heads = attention_ops.write(cache[1], cache_index, new_values)
             cache = (key_heads, value_heads)
-            causal = causal_mask(ops.shape(query)[1], ops.shape(key_heads)[2], start=cache_index)
-            attention_mask = causal if attention_mask is None else ops.logical_and(
-                ops.cast(attention_mask, "bool"), causal)
-        output, scores = self._attend(_heads_first(query_heads), key_heads, value_heads, attention_mask, training)
+            # A growing cache holds only the positions up to this call's: one new query may attend to all of it.
+            if not (attention_ops.growing_cache and query.shape[1] == 1):
+                causal = causal_mask(ops.shape(query)[1], ops.shape(key_heads)[2], start=cache_index)
+                attention_mask = causal if attention_mask is None else ops.logical_and(
+                    ops.cast(attention_mask, "bool"), causal)
+        output, scores = self._attend(query_heads, key_heads, value_heads, attention_mask, training, attention_ops)
+        if groups is not None:  # back to one row per query row: [rows, heads, query_len, ...]
+            output = ops.reshape(output, (-1, *_sizes(output, 2)))
+            scores = ops.reshape(scores, (-1, *_sizes(scores, 2))) if return_attention_scores else scores
         output = project_output(_heads_first(output), self.projections.output)
         outputs = (output, scores) if return_attention_scores else (output,)
         if cache is not None:
@@ -163,15 +197,67 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         )
         return _heads_first(output), scores
 
-    def _attend(self, query, key, value, attention_mask, training):
+    def _attend(self, query, key, value, attention_mask, training, attention_ops=None):
         """Equation 1 on heads-first tensors: query `[batch, num_heads, query_len, dim]`,
         key and value `[batch, num_heads, key_len, dim]` -> output
         `[batch, num_heads, query_len, value_dim]` and the weights."""
-        query = query * ops.cast(self._inverse_sqrt_key_dim, query.dtype)
-        scores = ops.matmul(query, ops.swapaxes(key, -1, -2))
-        weights = masked_softmax(scores, None if attention_mask is None else ops.cast(attention_mask, "bool")[:, None])
-        dropped = self._dropout_layer(weights, training=training) if self._dropout > 0.0 else weights
-        return ops.matmul(dropped, value), weights
+        query = query * ops.cast(1.0 / math.sqrt(float(self.key_dim)), query.dtype)
+        mask = None if attention_mask is None else ops.cast(attention_mask, "bool")[:, None]
+        if training and self.dropout > 0.0:
+            weights = masked_softmax(ops.matmul(query, ops.swapaxes(key, -1, -2)), mask)
+            return ops.matmul(attention_dropout_layer(self)(weights, training=training), value), weights
+        return (attention_ops or KERAS_ATTENTION_OPS).attend(query, key, value, mask)
+
+
+class AttentionOps:
+    """How `MultiHeadAttention`'s cached calls compute: documented extension API, as `strategies.SearchOps`.
+
+    The layer decides what a cached call computes (the projections, the
+    causal rule, equation 1); this object decides how its two array steps run,
+    so that a runtime can specialise them without copying the layer:
+
+    - `write(heads, index, update)`: the cache `heads`
+      `[batch, num_heads, length, key_dim]` with `update`
+      `[batch, num_heads, n, key_dim]` at positions `index ... index + n - 1`.
+    - `attend(query, key, value, mask)`: softmax(query key^T) value on
+      heads-first tensors, the query already scaled by 1 / sqrt(d_k); `mask`
+      None or bool, broadcastable to the weights `[..., query_len, key_len]`.
+      Returns `(output [..., query_len, value_dim], weights)`.
+
+    Args:
+        growing_cache: False (default): a self-attention cache is a fixed
+            buffer from `empty_cache(batch, max_length)`, written in place
+            (`ops.slice_update`), so every shape stays fixed (`jax.jit`,
+            XLA) and the causal rule hides the slots not written yet. True:
+            the cache starts empty (`empty_cache(batch, 0)`) and grows by each
+            call's positions (a concatenation, which needs no XLA kernel), so
+            it holds only the positions decoded so far.
+
+    Example:
+
+    ```python
+    cache = mha.empty_cache(batch_size=b, max_length=0)
+    for i in range(t):
+        y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i,
+                         attention_ops=AttentionOps(growing_cache=True))
+    ```
+    """
+
+    def __init__(self, growing_cache=False):
+        self.growing_cache = growing_cache
+
+    def write(self, heads, index, update):
+        update = ops.cast(update, heads.dtype)
+        if self.growing_cache:
+            return ops.concatenate([heads, update], axis=2)
+        return ops.slice_update(heads, (0, 0, ops.cast(index, "int32"), 0), update)
+
+    def attend(self, query, key, value, mask):
+        weights = masked_softmax(ops.matmul(query, ops.swapaxes(key, -1, -2)), mask)
+        return ops.matmul(weights, value), weights
+
+
+KERAS_ATTENTION_OPS = AttentionOps()
 
 
 def masked_softmax(scores, mask):
@@ -192,16 +278,23 @@ def _project(x, dense):
     return heads
 
 
+def _sizes(x, start):
+    """The sizes of `x`'s axes from `start` on: the static ones as ints, so that a graph with them all
+    known runs no shape op at every step; read at run time where one is not."""
+    static = tuple(x.shape)[start:]
+    return static if None not in static else tuple(ops.shape(x))[start:]
+
+
 def _heads_first(x):
-    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse)."""
+    """`[batch, length, num_heads, dim]` <-> `[batch, num_heads, length, dim]` (its own inverse).
+
+    With a length of 1 (a decoding step) the swap moves no data: a reshape, not a transpose (in a
+    TensorFlow graph a Transpose op at every step of every layer).
+    """
+    _, a, b, dim = x.shape
+    if 1 in (a, b) and None not in (a, b, dim):
+        return ops.reshape(x, (-1, b, a, dim))
     return ops.transpose(x, (0, 2, 1, 3))
-
-
-def _write_at(heads, index, update):
-    """`heads` `[batch, num_heads, length, key_dim]` with `update` `[batch, num_heads, n, key_dim]`
-    written at positions `index ... index + n - 1`."""
-    start = (0, 0, ops.cast(index, "int32"), 0)
-    return ops.slice_update(heads, start, ops.cast(update, heads.dtype))
 
 
 def head_size(d_model, num_heads):

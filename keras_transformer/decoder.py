@@ -18,10 +18,11 @@ def _check_encoder_inputs(layer, encoder_output, encoder_padding_mask=None, cros
     """
     name = type(layer).__name__
     if layer.use_cross_attention:
-        if encoder_output is None:
+        if encoder_output is None and cross_attention_cache is None:
             raise ValueError(
                 f"{name} '{layer.name}' has cross-attention (use_cross_attention=True) and needs "
-                f"encoder_output [batch, source_len, d_model]. For a decoder-only (GPT-style) model, "
+                f"encoder_output [batch, source_len, d_model] (or, in a cached step, cross_attention_cache). "
+                f"For a decoder-only (GPT-style) model, "
                 f"create it with use_cross_attention=False."
             )
         return
@@ -85,9 +86,14 @@ class DecoderLayer(TransformerLayerBase):
     Incremental decoding: also pass `self_attention_cache` (keys and values,
     each `[batch, num_heads, max_length, d_model // num_heads]`, from
     `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
-    and, with cross-attention, optionally `cross_attention_cache` (from
-    `cross_attention.compute_cache(encoder_output)`); the call then returns
-    `(output, updated_self_attention_cache)`.
+    and, with cross-attention, `cross_attention_cache` (from
+    `cross_attention.compute_cache(encoder_output)`; `encoder_output` may
+    then be None) or `encoder_output`; the call then returns
+    `(output, updated_self_attention_cache)`. `attention_ops` (a
+    `MultiHeadAttention` `AttentionOps`) chooses how the cached attentions
+    compute, e.g. a cache that grows (`empty_cache(batch, 0)`); a
+    cross-attention cache may hold one entry per group of rows
+    (`MultiHeadAttention`).
 
     Keras masks: inside a functional model Keras passes the mask of `x` (and
     of `encoder_output`) as `mask` / `x_mask` / `encoder_output_mask`; explicit
@@ -135,7 +141,7 @@ class DecoderLayer(TransformerLayerBase):
 
     def call(self, x, encoder_output=None, encoder_padding_mask=None, decoder_padding_mask=None,
              self_attention_cache=None, cache_index=None, cross_attention_cache=None, training=None,
-             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None):
+             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None, attention_ops=None):
         _check_encoder_inputs(self, encoder_output, encoder_padding_mask, cross_attention_cache)
         if return_attention_scores and self_attention_cache is not None:
             raise ValueError(
@@ -152,6 +158,7 @@ class DecoderLayer(TransformerLayerBase):
         x, self_attention_scores, self_attention_cache = self._attention_block(
             self.self_attention, self.self_attention_norm, x, memory=None, mask=self_mask, training=training,
             return_attention_scores=return_attention_scores, cache=self_attention_cache, cache_index=cache_index,
+            attention_ops=attention_ops,
         )
         scores = {"self_attention": self_attention_scores}
         if self.cross_attention is not None:
@@ -160,6 +167,7 @@ class DecoderLayer(TransformerLayerBase):
             x, scores["cross_attention"], _ = self._attention_block(
                 self.cross_attention, self.cross_attention_norm, x, memory=encoder_output, mask=cross_mask,
                 training=training, return_attention_scores=return_attention_scores, cache=cross_attention_cache,
+                attention_ops=attention_ops,
             )
 
         residual = x
@@ -173,7 +181,8 @@ class DecoderLayer(TransformerLayerBase):
         return x
 
     def _attention_block(
-        self, attention, norm, x, memory, mask, training, return_attention_scores, cache=None, cache_index=None
+        self, attention, norm, x, memory, mask, training, return_attention_scores, cache=None, cache_index=None,
+        attention_ops=None,
     ):
         """The residual block around `attention` from `x` over `memory` (None: over itself).
 
@@ -185,12 +194,15 @@ class DecoderLayer(TransformerLayerBase):
         x = norm_before(x, norm, self.norm_first)
         x = attention(
             x,
-            x if memory is None else memory,  # the same tensor twice: Q, K and V in one matmul
+            # The same tensor twice: Q, K and V in one matmul. (A cached cross-attention reads its
+            # cache, not `memory`, which a cached step may leave out.)
+            x if memory is None else memory,
             attention_mask=mask,
             return_attention_scores=return_attention_scores,
             training=training,
             cache=cache,
             cache_index=cache_index,
+            attention_ops=attention_ops,
         )
         if cache is not None:
             (x, cache), scores = x, None
@@ -237,9 +249,10 @@ class Decoder(TransformerStackBase):
     `[batch, num_heads, length, d_k]`: `empty_cache(batch, max_length)` (a
     buffer of `max_length` positions) for self-attention and, with cross-attention,
     `compute_cross_attention_cache(encoder_output)` (length source_len).
-    Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`)
-    makes the call return `(output, updated_self_attention_cache)`;
-    `decoding.greedy_generate` runs this loop for a decoder-only model.
+    Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`,
+    and `attention_ops`, as in `DecoderLayer`) makes the call return
+    `(output, updated_self_attention_cache)`; `decoding.greedy_generate`
+    runs this loop for a decoder-only model.
 
     Attention weights (full pass only): `return_attention_scores=True` makes
     the call return `(output, scores)`, `scores` being
@@ -281,7 +294,7 @@ class Decoder(TransformerStackBase):
 
     def call(self, x, encoder_output=None, encoder_padding_mask=None, decoder_padding_mask=None,
              self_attention_cache=None, cache_index=None, cross_attention_cache=None, training=None,
-             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None):
+             return_attention_scores=False, mask=None, x_mask=None, encoder_output_mask=None, attention_ops=None):
         _check_encoder_inputs(self, encoder_output, encoder_padding_mask, cross_attention_cache)
         encoder_padding_mask = first_mask(encoder_padding_mask, encoder_output_mask)
         decoder_padding_mask = first_mask(decoder_padding_mask, x_mask, mask)
@@ -313,6 +326,7 @@ class Decoder(TransformerStackBase):
                     cross_attention_cache=None if cross_attention_cache is None else cross_attention_cache[i],
                     training=training,
                     return_attention_scores=return_attention_scores,
+                    attention_ops=attention_ops,
                 )
                 updated_caches.append(cache)
         if self.final_norm is not None:

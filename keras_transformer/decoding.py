@@ -26,7 +26,7 @@ import keras
 from keras import ops
 
 from keras_transformer.masking import PAD_ID, padding_mask
-from keras_transformer.strategies import Beam, Greedy, Sampling, length_penalty
+from keras_transformer.strategies import Beam, Greedy, Sampling, check_options, length_penalty
 
 __all__ = ["EXTRA_OUTPUT_LENGTH", "NextLogits", "Prepared", "Sampling", "beam_search", "cached_decoder",
            "greedy_decode", "greedy_generate", "length_penalty", "output_bound", "prepare", "sample_decode",
@@ -99,13 +99,11 @@ def cached_decoder(model, encoder_output, source_mask, steps, rows=1):
     """`(cache, next_logits)`: the model's decoder over its key/value cache, one position a call.
 
     `rows` hypotheses per sentence (beam search's k + 1), sentence-major: the
-    encoder output and its mask are repeated per row, and the self-attention
-    cache has `steps` positions per row. `next_logits` ignores `outputs` (the
-    cache holds what it needs of them).
+    self-attention cache has `steps` positions per row, and a sentence's rows
+    read its cross-attention cache together. `next_logits` ignores `outputs`
+    (the cache holds what it needs of them).
     """
-    if rows > 1:
-        encoder_output, source_mask = (ops.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
-    cache = model.init_decoding_cache(encoder_output, steps)
+    cache = model.init_decoding_cache(encoder_output, steps, rows_per_sentence=rows)
 
     def next_logits(last, index, outputs, cache):
         return model.decode_step(last, index, encoder_output, source_mask, cache)
@@ -169,7 +167,7 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     Compile it for speed, e.g. `jax.jit(lambda ids: greedy_decode(model, ids, 2, 3))`
     on JAX or `tf.function(...)` on TensorFlow.
     """
-    _check_options(prefix_ids, no_repeat_ngram_size)
+    check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
                               prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
@@ -213,17 +211,11 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
         raise ValueError(f"temperature must be > 0 (top_k=1 is greedy decoding), got {temperature}")
     if isinstance(top_k, int) and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: every token), got {top_k}")
-    _check_options(None, no_repeat_ngram_size)
+    check_options(None, no_repeat_ngram_size)
     with _no_gradient():
         return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
                               no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k))
 
-
-def _check_options(prefix_ids, no_repeat_ngram_size):
-    if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
-        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
-    if prefix_ids is not None and len(ops.shape(prefix_ids)) != 2:
-        raise ValueError(f"prefix_ids must have shape [batch, prefix_len], got shape {ops.shape(prefix_ids)}")
 
 
 def _per_row(value, batch_size, dtype):
@@ -376,7 +368,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     # tokens [batch, 4, steps]: four different translations of each sentence, best first
     ```
     """
-    _check_options(prefix_ids, no_repeat_ngram_size)
+    check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder,
                             n_best, prefix_ids, no_repeat_ngram_size)

@@ -1,10 +1,10 @@
 """Every read of Keras' private state in the library, in one place.
 
 Written for Keras 3.15 (setup.py pins `keras>=3.15,<3.16`): on a Keras upgrade, check each attribute
-below against `keras.layers.MultiHeadAttention`'s source. Keras keeps the attention's four projections
-and its options in private attributes; the library's `MultiHeadAttention` computes with those weights
-(`keras_transformer.linear`), and so does the TensorFlow serving engine (`export/step.py`), through
-the layer's public `projections` and `is_plain()`, which read them here.
+below against `keras.layers.MultiHeadAttention`'s source. Keras keeps the attention's four projections,
+its options, its dropout layer and its mask rules in private attributes and methods; the library's
+`MultiHeadAttention` computes with those weights (`keras_transformer.linear`) through its public
+`projections` and `is_plain()`, which read them here, as do the functions below.
 """
 
 from typing import Any, NamedTuple
@@ -36,3 +36,15 @@ def attention_is_plain(layer) -> bool:
         and tuple(layer._attention_axes) == (1,)
         and all(is_plain(dense) for dense in attention_projections(layer))
     )
+
+
+def attention_dropout_layer(layer):
+    """The `Dropout` that `layer` applies to its attention weights (Keras 3.15: `_dropout_layer`)."""
+    return layer._dropout_layer
+
+
+def attention_mask_of_call(layer, query, value, **masks):
+    """The `[batch, query_len, key_len]` mask (or None) that Keras' `MultiHeadAttention.call` builds from
+    `attention_mask`, `query_mask`, `value_mask`, `key_mask`, `use_causal_mask` and the inputs' Keras masks
+    (Keras 3.15: `_compute_attention_mask`)."""
+    return layer._compute_attention_mask(query, value, **masks)

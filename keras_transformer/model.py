@@ -276,37 +276,50 @@ class Transformer(keras.Model):
             "decoder_cross_attention": float32(decoder_scores["cross_attention"]),
         }
 
-    def init_decoding_cache(self, encoder_output, max_length):
+    def init_decoding_cache(self, encoder_output, max_length, rows_per_sentence=1):
         """Caches for `decode_step`: empty self-attention keys/values for `max_length` target
-        positions, and the cross-attention keys/values of `encoder_output`, projected once here.
+        positions (0 for caches that grow), and the cross-attention keys/values of `encoder_output`,
+        projected once here.
+
+        `rows_per_sentence` g (beam search's hypotheses): the self-attention caches get g consecutive
+        rows per sentence, `[batch * g, ...]`, while the cross-attention cache keeps one entry per
+        sentence, which its g rows read together (no copy of the source per hypothesis).
 
         Returns `{"self_attention": [...], "cross_attention": [...]}`, one
         `(keys, values)` pair per decoder layer, each tensor
-        `[batch, num_heads, length, d_model // num_heads]`: batch first
-        everywhere, so beam search reorders every tensor on axis 0.
+        `[rows, num_heads, length, d_model // num_heads]`: rows first
+        everywhere, so beam search reorders the self-attention tensors on axis 0.
         """
         self._build_once()
         batch_size = ops.shape(encoder_output)[0]
         return {
-            "self_attention": self.decoder.empty_cache(batch_size, max_length),
+            "self_attention": self.decoder.empty_cache(batch_size * rows_per_sentence, max_length),
             "cross_attention": self.decoder.compute_cross_attention_cache(encoder_output),
         }
 
-    def decode_step(self, token_ids, cache_index, encoder_output, encoder_padding_mask, cache):
+    def decode_step(self, token_ids, cache_index, encoder_output, encoder_padding_mask, cache, attention_ops=None):
         """One step of incremental decoding.
 
         Args:
-            token_ids: `[batch]` the target token at position `cache_index`.
+            token_ids: `[rows]` the target token at position `cache_index`.
             cache_index: scalar int, its position (0 for the start token),
                 where its keys and values are written in the cache.
-            encoder_output: `[batch, source_len, d_model]`.
+            encoder_output: `[batch, source_len, d_model]`, or None (the
+                cache holds its projections).
             encoder_padding_mask: `[batch, source_len]` bool.
-            cache: from `init_decoding_cache` or the previous step.
+            cache: from `init_decoding_cache` or the previous step. Its
+                cross-attention entries may be one per sentence for `g`
+                consecutive rows each (beam search's hypotheses):
+                rows = batch * g.
+            attention_ops: how the cached attentions compute
+                (`keras_transformer.attention.AttentionOps`); None: a fixed
+                buffer, `keras.ops`. `AttentionOps(growing_cache=True)`
+                takes a cache made with `max_length=0`.
 
         Returns:
-            (logits `[batch, vocab]` for position `cache_index + 1`, updated cache).
+            (float32 logits `[rows, vocab]` for position `cache_index + 1`, updated cache).
         """
-        x = self.target_embedding(token_ids[:, None], start_index=cache_index)
+        x = self.target_embedding(token_ids[:, None], start_index=cache_index, training=False)
         x, self_attention_cache = self.decoder(
             x,
             encoder_output,
@@ -314,6 +327,8 @@ class Transformer(keras.Model):
             self_attention_cache=cache["self_attention"],
             cache_index=cache_index,
             cross_attention_cache=cache["cross_attention"],
+            training=False,
+            attention_ops=attention_ops,
         )
         cache = {"self_attention": self_attention_cache, "cross_attention": cache["cross_attention"]}
         return self.project(x)[:, 0], cache

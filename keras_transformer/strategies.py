@@ -40,6 +40,17 @@ def used(option):
     return not (isinstance(option, tuple) and len(option) == 0)
 
 
+def check_options(prefix_ids=NOT_USED, no_repeat_ngram_size=0):
+    """A clear `ValueError` for a search option of the wrong kind: `no_repeat_ngram_size` an int >= 0, and
+    `prefix_ids` (`NOT_USED` or None: no prefix) of shape `[batch, prefix_len]`."""
+    if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
+        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: no ban), got {no_repeat_ngram_size!r}")
+    if prefix_ids is not None and used(prefix_ids):
+        shape = tuple(ops.convert_to_tensor(prefix_ids).shape)
+        if len(shape) != 2:
+            raise ValueError(f"prefix_ids must have shape [batch, prefix_len], got shape {shape}")
+
+
 def length_penalty(length, alpha):
     """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
     return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)

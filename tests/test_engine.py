@@ -148,7 +148,7 @@ def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(q
 def _step_by_step_logits(model, source, target):
     encoder_output = model.encode(source, training=False)
     mask = tf.not_equal(source, 0)
-    cache = step.init_cache(model, encoder_output, 0)
+    cache = model.init_decoding_cache(encoder_output, 0)
     steps = []
     for t in range(target.shape[1]):  # eagerly: the cache grows
         logits, cache = step.decode_step(model, tf.constant(target[:, t]), t, mask, cache)
@@ -173,6 +173,10 @@ def test_the_step_equals_the_full_pass(kwargs):
     np.testing.assert_allclose(uncached.numpy(), full, atol=1e-5)
 
 
+# The engine's attention outside XLA: the layer's cached call on a cache that grows, products on Eigen.
+GROWING = step.GraphAttentionOps(growing_cache=True)
+
+
 def test_a_cache_of_free_length_grows_in_a_while_loop():
     """Inside `tf.while_loop` with the cache length left free, each write appends (no mask needed)."""
     rng = np.random.default_rng(5)
@@ -183,7 +187,8 @@ def test_a_cache_of_free_length_grows_in_a_while_loop():
     @tf.function
     def step_by_step(x):
         def body(t, cache, outputs):
-            y, cache = step._self_attention_step(mha, x[:, t : t + 1], cache, t, False)
+            x_t = x[:, t : t + 1]
+            y, cache = mha(x_t, x_t, cache=cache, cache_index=t, attention_ops=GROWING)
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         free = tf.TensorShape([2, 4, None, 4])
@@ -210,7 +215,8 @@ def test_a_fixed_buffer_is_written_in_place_under_xla():
     def step_by_step(x):
         def body(t, cache, outputs):
             # tf.slice with a constant size: XLA read `x[:, t : t + 1]` as position 0 at every step here.
-            y, cache = step._self_attention_step(mha, tf.slice(x, [0, t, 0], [2, 1, 16]), cache, t, True)
+            x_t = tf.slice(x, [0, t, 0], [2, 1, 16])
+            y, cache = mha(x_t, x_t, cache=cache, cache_index=t, attention_ops=step.GraphAttentionOps())
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         _, cache, outputs = tf.while_loop(
@@ -238,8 +244,9 @@ def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
         source_cache = cross_mha.compute_cache(memory)
 
         def body(t, cache, outputs):
-            y, cache = step._self_attention_step(self_mha, x[:, t : t + 1], cache, t, False)
-            y = step._cross_attention_step(cross_mha, y, source_cache, memory_mask, False)
+            x_t = x[:, t : t + 1]
+            y, cache = self_mha(x_t, x_t, cache=cache, cache_index=t, attention_ops=GROWING)
+            y, _ = cross_mha(y, y, cache=source_cache, attention_mask=memory_mask[:, None, :], attention_ops=GROWING)
             return t + 1, cache, outputs.write(t, y[:, 0])
 
         free = tf.TensorShape([2, 4, None, 4])
@@ -253,21 +260,6 @@ def test_a_bfloat16_step_hands_back_bfloat16_and_equals_the_full_pass():
     assert stepped.dtype == full.dtype == tf.bfloat16
     # bfloat16 keeps 8 bits of mantissa: outputs of size ~1 agree to a few hundredths.
     np.testing.assert_allclose(tf.cast(stepped, tf.float32).numpy(), tf.cast(full, tf.float32).numpy(), atol=0.05)
-
-
-def test_hypotheses_read_their_sentence_cross_attention_cache():
-    """g rows per sentence over a cache of one entry per sentence (beam search) = each row over its own copy."""
-    rng = np.random.default_rng(6)
-    sentences, g = 2, 3
-    query = rng.normal(size=(sentences * g, 1, 16)).astype("float32")
-    memory = rng.normal(size=(sentences, 5, 16)).astype("float32")
-    memory_mask = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
-    mha = kt.MultiHeadAttention(num_heads=2, key_dim=8)
-    repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
-    full = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :])
-    shared = step._cross_attention_step(mha, tf.constant(query), mha.compute_cache(memory),
-                                        tf.constant(memory_mask), False)
-    np.testing.assert_allclose(shared.numpy(), np.asarray(full), atol=1e-5)
 
 
 # ------------------------------------------------------------------ the searches

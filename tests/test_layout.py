@@ -127,7 +127,8 @@ def test_no_measured_figure_in_code():
 
 
 KERAS_ATTENTION_STATE = re.compile(r"\._(?:query|key|value|output)_dense\b|_use_gate\b|_sliding_window\b|"
-                                   r"\._attention_axes\b")
+                                   r"\._attention_axes\b|\._dropout_layer\b|\._compute_attention_mask\b|"
+                                   r"\._inverse_sqrt_key_dim\b|self\._dropout\b")
 
 
 def test_keras_private_attention_state_is_read_in_one_adapter():

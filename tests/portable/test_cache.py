@@ -4,6 +4,7 @@ import numpy as np
 
 import keras_transformer as kt
 from conftest import random_ids
+from keras_transformer.attention import AttentionOps
 from portable.conftest import jit, to_numpy
 
 
@@ -33,13 +34,47 @@ def test_cross_attention_cache_equals_full_pass():
         np.testing.assert_allclose(to_numpy(step)[:, 0], full[:, t], atol=1e-5)
 
 
-def _step_by_step_logits(model, source, target):
+def test_a_growing_cache_equals_the_full_causal_pass():
+    """`AttentionOps(growing_cache=True)`: the cache starts empty and grows by each call's positions (one, then
+    two at once, then the rest), with no buffer to size and no slot left unwritten."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(2, 6, 16)).astype("float32")
+    mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    full = to_numpy(mha(x, x, use_causal_mask=True))
+    cache, growing = mha.empty_cache(batch_size=2, max_length=0), AttentionOps(growing_cache=True)
+    for start, stop in [(0, 1), (1, 3), (3, 4), (4, 6)]:
+        part = x[:, start:stop]
+        out, cache = mha(part, part, cache=cache, cache_index=start, attention_ops=growing)
+        assert tuple(cache[0].shape) == (2, 4, stop, 4)
+        np.testing.assert_allclose(to_numpy(out), full[:, start:stop], atol=1e-5)
+
+
+def test_rows_read_their_group_entry_of_a_cross_attention_cache():
+    """A cache of one entry per sentence, read by g consecutive rows each (beam search's hypotheses) = each row
+    over its own copy of the sentence's keys, values and mask."""
+    rng = np.random.default_rng(6)
+    sentences, g = 2, 3
+    query = rng.normal(size=(sentences * g, 2, 16)).astype("float32")
+    memory = rng.normal(size=(sentences, 5, 16)).astype("float32")
+    memory_mask = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    mha = kt.MultiHeadAttention(num_heads=2, key_dim=8)
+    repeated_memory, repeated_mask = np.repeat(memory, g, axis=0), np.repeat(memory_mask, g, axis=0)
+    full, full_scores = mha(query, repeated_memory, attention_mask=repeated_mask[:, None, :],
+                            return_attention_scores=True)
+    shared, shared_scores, _ = mha(query, None, cache=mha.compute_cache(memory),
+                                   attention_mask=memory_mask[:, None, :], return_attention_scores=True)
+    np.testing.assert_allclose(to_numpy(shared), to_numpy(full), atol=1e-5)
+    np.testing.assert_allclose(to_numpy(shared_scores), to_numpy(full_scores), atol=1e-6)
+
+
+def _step_by_step_logits(model, source, target, attention_ops=None):
     encoder_output = model.encode(source)
     mask = kt.padding_mask(source)
-    cache = model.init_decoding_cache(encoder_output, max_length=target.shape[1])
+    max_length = 0 if attention_ops and attention_ops.growing_cache else target.shape[1]
+    cache = model.init_decoding_cache(encoder_output, max_length=max_length)
     steps = []
     for t in range(target.shape[1]):
-        logits, cache = model.decode_step(target[:, t], t, encoder_output, mask, cache)
+        logits, cache = model.decode_step(target[:, t], t, encoder_output, mask, cache, attention_ops=attention_ops)
         steps.append(to_numpy(logits))
     return np.stack(steps, axis=1)
 
@@ -51,6 +86,8 @@ def test_model_incremental_decoding_equals_full_pass(tiny_model):
     target = random_ids(rng, 3, 6)
     full = to_numpy(tiny_model((source, target)))
     np.testing.assert_allclose(_step_by_step_logits(tiny_model, source, target), full, atol=1e-5)
+    growing = _step_by_step_logits(tiny_model, source, target, AttentionOps(growing_cache=True))
+    np.testing.assert_allclose(growing, full, atol=1e-5)
 
 
 def test_incremental_decoding_equals_full_pass_pre_norm_separate_vocab():
