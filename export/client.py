@@ -13,6 +13,7 @@ the project's `serving` extra), imported only when a `GrpcClient` is made.
     rest.n_best(["A dog runs."]).translations            # [["...", "...", "...", "..."]]: best first
     rest.sample(["A dog runs."], seed=7, temperature=0.8, top_k=20)   # TranslatedBatch: a sample, the same each time
     rest.translate_with_prefix(["A dog runs."], ["Ein Hund"])          # TranslatedBatch: beginning with "Ein Hund"
+    rest.translate_with_prefix(["A dog runs."], ["Ein Hund"], greedy=True)   # the same, greedy decoding
     rest.score(["A dog runs."], ["Ein Hund rennt."])     # ScoredBatch(scores, log_probs, truncated)
     rest.align(["A dog runs."]).alignments               # [[(0, 0), (1, 1), ...]]: (source piece, target piece)
     rest.metadata()                                      # the signatures, as TF Serving reports them
@@ -25,7 +26,8 @@ Both send the `text` input of a signature (`serving_default`: beam search,
 `truncated` outputs (`truncated`: the source was longer than the model's
 limit and only its beginning was translated; False from exports older than
 that output). `sample`, `translate_with_prefix`, `score` and `align` call the
-signatures of those names, with their other inputs (`seed`, `temperature`,
+signatures of those names (`translate_with_prefix(..., greedy=True)`:
+`greedy_prefix`), with their other inputs (`seed`, `temperature`,
 `top_k`; `prefix`; `target`) beside `text`: over REST in each instance
 (`{"text": ..., "seed": 7, ...}`), over gRPC as more named tensors of the
 signature's dtypes.
@@ -202,11 +204,14 @@ class SignatureMethods:
         texts = list(texts)
         return self.translate_batch(texts, "sample", _sample_inputs(len(texts), seed, temperature, top_k))
 
-    def translate_with_prefix(self, texts, prefixes) -> TranslatedBatch:
+    def translate_with_prefix(self, texts, prefixes, greedy=False) -> TranslatedBatch:
         """The `prefix` signature: each text's beam search translation that begins with its prefix (whole
-        sentencepiece pieces of it; "" gives serving_default's translation). `prefixes`: one per text."""
+        sentencepiece pieces of it; "" gives serving_default's translation). `prefixes`: one per text.
+        `greedy`: the `greedy_prefix` signature instead, greedy decoding that begins with the prefix ("" gives
+        the greedy signature's translation)."""
         texts = list(texts)
-        return self.translate_batch(texts, "prefix", {"prefix": _one_per_text(prefixes, len(texts), "prefixes")})
+        return self.translate_batch(texts, "greedy_prefix" if greedy else "prefix",
+                                    {"prefix": _one_per_text(prefixes, len(texts), "prefixes")})
 
     def score(self, texts, targets) -> ScoredBatch:
         """The `score` signature: how likely the model finds each target as the text's translation, scored

@@ -12,8 +12,9 @@ Serving's warm-up requests, assets.extra/tf_serving_warmup_requests, which the
 model server replays before it serves the version.
 
 Signatures: serving_default (text -> translation, score, truncated; beam
-search), greedy (same, greedy decoding), n_best, sample, prefix, score, align,
-translate_ids (source_ids -> tokens, score), tokenize (text -> source_ids).
+search), greedy (same, greedy decoding), n_best, sample, prefix, greedy_prefix,
+score, align, translate_ids (source_ids -> tokens, score), tokenize (text ->
+source_ids).
 See export/translator.py and export/README.md.
 """
 

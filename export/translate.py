@@ -7,6 +7,7 @@
     kt-translate --saved-model exports/translator --input test.en --n-best   # "0 ||| translation ||| score"
     kt-translate --saved-model exports/translator --input test.en --sample --temperature 0.8 --top-k 20 --seed 1
     kt-translate --saved-model exports/translator --input test.en --prefix prefixes.de   # begins with its prefix
+    kt-translate --saved-model exports/translator --input test.en --prefix prefixes.de --greedy   # greedy_prefix
     kt-translate --saved-model exports/translator --input test.en --score test.de   # "score<TAB>log_prob"
     kt-translate --saved-model exports/translator --input test.en --align   # "translation ||| 0-0 1-2 ..."
 
@@ -18,8 +19,8 @@ one batch (--no-progress to hide it). A line longer than the model's limit
 (config.json `max_length` pieces, end id included) is translated from its
 beginning only: kt-translate says so on stderr, with the line numbers.
 --n-best, --sample, --prefix, --score and --align each call a signature of
-their own (n_best, sample, prefix, score, align), in process or through
---server alike; see each flag's help.
+their own (n_best, sample, prefix, score, align; --prefix with --greedy:
+greedy_prefix), in process or through --server alike; see each flag's help.
 """
 
 from __future__ import annotations
@@ -177,6 +178,8 @@ def _scored_lines(scored) -> TranslatedBatch:
 
 # The modes that call a signature of their own and write their own lines, mutually exclusive: flag -> signature.
 MODE_SIGNATURES = {"n_best": "n_best", "sample": "sample", "prefix": "prefix", "score": "score", "align": "align"}
+# The modes with a greedy form, --greedy's signature for them: flag -> signature.
+GREEDY_MODE_SIGNATURES = {"prefix": "greedy_prefix"}
 
 
 def build_parser():
@@ -188,7 +191,8 @@ def build_parser():
     p.add_argument("--model-name", default="translator", help="with --server: the served model's name")
     p.add_argument("--input", help="text file, one sentence per line (default: stdin)")
     p.add_argument("--output", help="where to write the translations (default: stdout)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (the 'greedy' signature) instead of beam")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of beam search: the 'greedy' "
+                   "signature, or with --prefix the 'greedy_prefix' one")
     p.add_argument("--signature", help="signature to call (default serving_default, or greedy with --greedy)")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per request (default 32)")
     p.add_argument("--scores", action="store_true", help="write 'score<TAB>translation' lines")
@@ -203,7 +207,9 @@ def build_parser():
                       "the same output however the file is batched")
     mode.add_argument("--prefix", metavar="FILE",
                       help="one prefix per input line: each translation begins with its line's prefix (whole "
-                      "sentencepiece pieces; a blank prefix: plain beam search; the prefix signature)")
+                      "sentencepiece pieces): beam search (the prefix signature; a blank prefix: plain beam search), "
+                      "or with --greedy greedy decoding (the greedy_prefix signature; a blank prefix: plain greedy "
+                      "decoding)")
     mode.add_argument("--score", metavar="FILE",
                       help="one target per input line: write 'score<TAB>log_prob' per line, how likely the model "
                       "finds the target as the line's translation (the score signature; score as --scores writes "
@@ -233,9 +239,15 @@ def _check_args(p, args):
     if sampling and mode != "sample":
         p.error(f"--{sampling[0].replace('_', '-')} goes with --sample")
     if mode and mode != "n_best":
-        option = f"--{mode}"
-        if args.greedy or args.signature:
-            p.error(f"{option} calls the {MODE_SIGNATURES[mode]} signature: drop --greedy/--signature")
+        option, called = f"--{mode}", MODE_SIGNATURES[mode]
+        if args.greedy and mode not in GREEDY_MODE_SIGNATURES:
+            # Refused rather than ignored: the output would not be the greedy decoding asked for.
+            p.error(f"--greedy does not go with {option}: {option} calls the {called} signature, which has no "
+                    f"greedy form (only --prefix has one: --greedy --prefix calls greedy_prefix)")
+        if args.signature:
+            greedy_form = GREEDY_MODE_SIGNATURES.get(mode)
+            p.error(f"--signature does not go with {option}: {option} calls the {called} signature"
+                    + (f" ({greedy_form} with --greedy)" if greedy_form else ""))
         if args.scores and mode in ("score", "align"):
             p.error(f"{option} writes lines of its own: drop --scores")
     if mode == "sample":
@@ -251,6 +263,16 @@ def _check_args(p, args):
     return mode
 
 
+def mode_signature(args, mode) -> str:
+    """The signature kt-translate calls: --signature's, else the mode's (its greedy form with --greedy), else
+    greedy with --greedy, else serving_default."""
+    if args.signature:
+        return args.signature
+    if args.greedy and mode in GREEDY_MODE_SIGNATURES:
+        return GREEDY_MODE_SIGNATURES[mode]
+    return MODE_SIGNATURES.get(mode) or ("greedy" if args.greedy else "serving_default")
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     p = build_parser()
@@ -260,7 +282,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     mode = _check_args(p, args)
-    signature = args.signature or MODE_SIGNATURES.get(mode) or ("greedy" if args.greedy else "serving_default")
+    signature = mode_signature(args, mode)
     lines = _read_lines(args.input) if args.input else split_lines(sys.stdin.buffer.read())
     inputs = {}
     if mode == "sample":
@@ -287,7 +309,7 @@ def main(argv=None) -> int:
         return 2
     translate = {
         "sample": lambda texts, seed: translator.sample(texts, seed, args.temperature, args.top_k),
-        "prefix": lambda texts, prefix: translator.translate_with_prefix(texts, prefix),
+        "prefix": lambda texts, prefix: translator.translate_with_prefix(texts, prefix, greedy=args.greedy),
         "score": lambda texts, score: _scored_lines(translator.score(texts, score)),
         "align": lambda texts: _aligned_lines(translator.align(texts)),
     }.get(mode, translator.translate_batch)

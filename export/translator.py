@@ -27,6 +27,9 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
 - `prefix`: `text` and `prefix` string `[batch]` -> `translation`, `score`,
   `truncated`: beam search whose output begins with the prefix's pieces
   (whole pieces: "Ein Hund" forces "▁Ein ▁Hund"); "" is `serving_default`.
+- `greedy_prefix`: the same inputs and outputs as `prefix`: greedy decoding
+  whose output begins with the prefix's pieces (the library's
+  `greedy_decode(..., prefix_ids=...)`); "" is `greedy`.
 - `score`: `text` and `target` string `[batch]` -> `score` (as
   `serving_default` scores its own output), `log_prob` (log P(target | text)
   under teacher forcing) and `truncated` (the source or the target was cut to
@@ -62,6 +65,8 @@ shape); float32 is a little slower there at batch 1 (same section). It runs
 projection is stored `[d_model, vocab]`, the layout XLA's CPU matmul reads
 fastest. TF Serving runs it only when started with
 `--xla_cpu_compilation_enabled`.
+The other signatures (`prefix` and `greedy_prefix` among them) decode with
+the graph decoder at every batch size.
 
 With `parallel_loops` N > 1 (`kt-export --parallel-loops`; by default the
 exporting machine's CPUs, at most 8), the graph decoder splits a batch into N
@@ -115,6 +120,7 @@ GREEDY_SIGNATURE = "greedy"
 N_BEST_SIGNATURE = "n_best"
 SAMPLE_SIGNATURE = "sample"
 PREFIX_SIGNATURE = "prefix"
+GREEDY_PREFIX_SIGNATURE = "greedy_prefix"
 SCORE_SIGNATURE = "score"
 ALIGN_SIGNATURE = "align"
 IDS_SIGNATURE = "translate_ids"
@@ -261,7 +267,8 @@ class Translator(tf.Module):
         translate_greedy(text) -> the same, greedy decoding
         translate_n_best(text) -> {"translations": `[batch, beam_size]`, "scores": `[batch, beam_size]`}
         translate_sampled(text, seed, temperature, top_k), translate_prefixed(text, prefix),
-        score(text, target), translate_aligned(text): the signatures of the same names (module docstring)
+        translate_greedy_prefixed(text, prefix), score(text, target), translate_aligned(text): the
+            signatures sample, prefix, greedy_prefix, score and align (module docstring)
         translate_ids(source_ids `[batch, len]`) -> {"tokens": `[batch, length]`, "score": `[batch]`}
         tokenize(text) -> {"source_ids": `[batch, len]`}
 
@@ -312,8 +319,9 @@ class Translator(tf.Module):
         self.translate_sampled = tf.function(self._translate_sampled, input_signature=text_spec + [
             tf.TensorSpec([None], tf.int64, name="seed"), tf.TensorSpec([None], tf.float32, name="temperature"),
             tf.TensorSpec([None], tf.int32, name="top_k")])
-        self.translate_prefixed = tf.function(
-            self._translate_prefixed, input_signature=text_spec + [tf.TensorSpec([None], tf.string, name="prefix")])
+        prefix_spec = text_spec + [tf.TensorSpec([None], tf.string, name="prefix")]
+        self.translate_prefixed = tf.function(self._translate_prefixed, input_signature=prefix_spec)
+        self.translate_greedy_prefixed = tf.function(self._translate_greedy_prefixed, input_signature=prefix_spec)
         self.score = tf.function(self._score, input_signature=text_spec + [
             tf.TensorSpec([None], tf.string, name="target")])
         self.translate_aligned = tf.function(self._translate_aligned, input_signature=text_spec)
@@ -431,9 +439,17 @@ class Translator(tf.Module):
         sampling = Sampling(tf.cast(seed, tf.int32), temperature, top_k)
         return self._translate_text(text, lambda source: self._search(source, greedy=True, sampling=sampling))
 
-    def _translate_prefixed(self, text, prefix):
+    def _translate_prefixed(self, text, prefix, greedy=False):
+        """Text and prefix strings `[batch]` -> the text signatures' outputs of the beam search (`greedy`:
+        greedy decoding) whose output begins with each row's prefix pieces `[batch, prefix_len]`, 0-padded
+        (a blank prefix: no piece, the plain search)."""
         prefix_ids = tf.cast(self._pieces(prefix).to_tensor(PAD_ID), tf.int32)
-        return self._translate_text(text, lambda source: self._search(source, prefix_ids=prefix_ids))
+        # No `xla_decode`: the XLA programs (`_xla_beam`, `_xla_greedy`) take no prefix, so a prefixed request
+        # runs the graph decoder at any batch size, beam and greedy alike.
+        return self._translate_text(text, lambda source: self._search(source, greedy=greedy, prefix_ids=prefix_ids))
+
+    def _translate_greedy_prefixed(self, text, prefix):
+        return self._translate_prefixed(text, prefix, greedy=True)
 
     def _translate_aligned(self, text):
         def alignment(source, tokens, empty):
@@ -482,6 +498,7 @@ class Translator(tf.Module):
             N_BEST_SIGNATURE: self.translate_n_best.get_concrete_function(),
             SAMPLE_SIGNATURE: self.translate_sampled.get_concrete_function(),
             PREFIX_SIGNATURE: self.translate_prefixed.get_concrete_function(),
+            GREEDY_PREFIX_SIGNATURE: self.translate_greedy_prefixed.get_concrete_function(),
             SCORE_SIGNATURE: self.score.get_concrete_function(),
             ALIGN_SIGNATURE: self.translate_aligned.get_concrete_function(),
             IDS_SIGNATURE: self.translate_ids.get_concrete_function(),

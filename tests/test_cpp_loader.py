@@ -178,12 +178,12 @@ def sampling_inputs(n):
 
 
 def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_check, exported, tmp_path):
-    """The signatures with more inputs than text (sample: seed int64, temperature float32, top_k int32; prefix
-    and score: a second string) and with 2-D int32 and string outputs (align): the C++ loader, fed every input
-    with the dtype its signature declares, answers byte for byte as the TF1 Python session does, every output
-    compared, on 10 Multi30k sentences with the hostile inputs (and on an empty batch: sample and prefix here,
-    score and align in the next test); none fails; each output has its documented shape; and run again from 2
-    threads at once, every answer is the same."""
+    """The signatures with more inputs than text (sample: seed int64, temperature float32, top_k int32; prefix,
+    greedy_prefix and score: a second string) and with 2-D int32 and string outputs (align): the C++ loader, fed
+    every input with the dtype its signature declares, answers byte for byte as the TF1 Python session does, every
+    output compared, on 10 Multi30k sentences with the hostile inputs (and on an empty batch: sample and prefix
+    here, score and align in the next test); none fails; each output has its documented shape; and run again from
+    2 threads at once, every answer is the same."""
     texts = multi30k_lines("test_2016_flickr.en", 10) + HOSTILE
     n = len(texts)
     german = multi30k_lines("test_2016_flickr.de", 10)
@@ -196,6 +196,7 @@ def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_
         ("sample", [], sampling_inputs(0)),
         ("prefix", texts, {"prefix": prefixes}),
         ("prefix", [], {"prefix": []}),
+        ("greedy_prefix", texts, {"prefix": prefixes}),
         # Scoring serving_default's own translations, and arbitrary German (the hostile texts as targets too:
         # empty, invalid UTF-8, longer than the model's limit).
         ("score", texts, {"target": best_translations}),
@@ -217,8 +218,9 @@ def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_
             assert got["translation_shape"] == got["score_shape"] == got["truncated_shape"] == [batch]
     assert concurrent["errors"] == [] and concurrent["mismatches"] == []
 
-    sampled, _, prefixed, _, _, _, aligned = cpp
+    sampled, _, prefixed, _, greedy_prefixed, _, _, aligned = cpp
     assert all(translations(sampled)[:10]) and all(translations(prefixed)[:10])  # real translations, not ""
+    assert all(translations(greedy_prefixed)[:10])
     # align: one source piece index per output piece, -1 exactly at the output's padding, and its translation
     # is serving_default's (the same beam search).
     batch, length = aligned["alignment_shape"]

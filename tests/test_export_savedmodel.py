@@ -660,10 +660,11 @@ def _write_file(path, lines):
 
 def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_files(exported, stand_in_server,
                                                                                     tmp_path):
-    """kt-translate --sample, --prefix, --score and --align write the same file in process (--saved-model) and
-    through --server (RestClient), blank lines blank; --score writes the signature's score and log_prob,
-    --prefix translations begin with their prefix, --align 'translation ||| i-j ...' with serving_default's
-    translation."""
+    """kt-translate --sample, --prefix, --greedy --prefix, --score and --align write the same file in process
+    (--saved-model) and through --server (RestClient), blank lines blank; --score writes the signature's score
+    and log_prob, --prefix translations begin with their prefix (with --greedy: the greedy_prefix signature's
+    translations, a blank prefix's the greedy signature's), --align 'translation ||| i-j ...' with
+    serving_default's translation."""
     from export import translate as translate_cli
 
     lines = _lines("val.en", 4)[:2] + [""] + _lines("val.en", 4)[2:] + [b"\xff broken"]
@@ -672,7 +673,8 @@ def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_fil
     targets = _lines("val.de", 4)[:2] + [""] + _lines("val.de", 4)[2:] + ["Kaputt."]
     targets_file = _write_file(tmp_path / "targets.de", targets)
     modes = {"sample": ["--sample", "--temperature", "0.8", "--top-k", "10", "--seed", "5"],
-             "prefix": ["--prefix", str(prefixes)], "score": ["--score", str(targets_file)], "align": ["--align"]}
+             "prefix": ["--prefix", str(prefixes)], "greedy_prefix": ["--greedy", "--prefix", str(prefixes)],
+             "score": ["--score", str(targets_file)], "align": ["--align"]}
     written = {}
     for mode, flags in modes.items():
         for where in (["--saved-model", str(exported)], ["--server", stand_in_server["rest"]]):
@@ -680,6 +682,7 @@ def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_fil
             assert translate_cli.main(where + ["--input", str(source), "--output", str(out), "--batch-size", "3",
                                                "--no-progress"] + flags) == 0
             written.setdefault(mode, []).append(out.read_text(encoding="utf-8"))
+        assert stand_in_server["calls"][-1][0] == mode  # through --server: the mode's own signature
         in_process, served = written[mode]
         assert in_process == served, mode
         rows = in_process.split("\n")
@@ -696,6 +699,14 @@ def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_fil
                                np.stack([scored["score"], scored["log_prob"]], axis=1), rtol=0, atol=2e-4)
     assert rows["prefix"][0].startswith("Ein") and rows["prefix"][1].startswith("Zwei")
     assert rows["prefix"][4].startswith("Eine Frau")
+    prefixed = [i for i in nonblank if i != 3]  # line 3's prefix is blank
+    greedy_prefix = _expected_translated(_signature_call(
+        stand_in_server["loaded"], "greedy_prefix", [lines[i] for i in prefixed],
+        prefix=[_as_bytes(["Ein", "Zwei", "", "", "Eine Frau", "Ein"])[i] for i in prefixed])).translations
+    assert [rows["greedy_prefix"][i] for i in prefixed] == greedy_prefix
+    assert rows["greedy_prefix"][0].startswith("Ein") and rows["greedy_prefix"][4].startswith("Eine Frau")
+    greedy = _expected_translated(_signature_call(stand_in_server["loaded"], "greedy", [lines[3]])).translations
+    assert rows["greedy_prefix"][3] == greedy[0]
     beam = _expected_translated(_signature_call(stand_in_server["loaded"], "serving_default",
                                                 [lines[i] for i in nonblank])).translations
     assert [rows["align"][i].split(" ||| ")[0] for i in nonblank] == beam
@@ -752,8 +763,9 @@ def test_word_alignment_joins_pieces_into_words():
 def test_kt_translate_refuses_mismatched_line_counts_and_flags_that_do_not_go_together(exported, tmp_path,
                                                                                         capsys):
     """--prefix and --score files must have one line per input line (the error names both counts); the modes
-    exclude each other and --greedy/--signature, --temperature/--top-k/--seed need --sample, a temperature must
-    be > 0: argparse errors (exit 2), before any model is loaded."""
+    exclude each other and --signature, and --greedy but for --prefix (refused, naming both flags, not ignored),
+    --temperature/--top-k/--seed need --sample, a temperature must be > 0: argparse errors (exit 2), before any
+    model is loaded."""
     from export import translate as translate_cli
 
     source = _write_file(tmp_path / "in.en", ["A dog.", "", "Two cats."])
@@ -767,8 +779,12 @@ def test_kt_translate_refuses_mismatched_line_counts_and_flags_that_do_not_go_to
         assert f"{flag} {short} has 2 line(s), the input 3" in err and f"one {word} per input line" in err
     refused = {("--sample", "--n-best"): "not allowed with argument",
                ("--align", "--score", str(short)): "not allowed with argument",
-               ("--sample", "--greedy"): "--sample calls the sample signature: drop --greedy/--signature",
-               ("--align", "--signature", "greedy"): "--align calls the align signature",
+               ("--sample", "--greedy"): "--greedy does not go with --sample: --sample calls the sample signature",
+               ("--greedy", "--score", str(short)): "--greedy does not go with --score",
+               ("--align", "--greedy"): "--greedy does not go with --align",
+               ("--align", "--signature", "greedy"): "--signature does not go with --align: --align calls the align "
+                                                     "signature",
+               ("--prefix", str(short), "--signature", "greedy"): "--signature does not go with --prefix",
                ("--score", str(short), "--scores"): "--score writes lines of its own: drop --scores",
                ("--temperature", "0.5"): "--temperature goes with --sample",
                ("--top-k", "3", "--align"): "--top-k goes with --sample",

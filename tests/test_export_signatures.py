@@ -1,6 +1,6 @@
-"""The export's signatures beyond translation (sample, prefix, score, align), through the TF1 session loader TF
-Serving uses: each answers what the library's search or scoring answers for the same source ids, and keeps the
-promises of its definition."""
+"""The export's signatures beyond translation (sample, prefix, greedy_prefix, score, align), through the TF1
+session loader TF Serving uses: each answers what the library's search or scoring answers for the same source
+ids, and keeps the promises of its definition."""
 
 import base64
 
@@ -59,8 +59,12 @@ def reference(quick_model_dir):
     def prefixed(source, prefix):
         return kt.beam_search(model, source, START_ID, END_ID, beam_size=4, prefix_ids=prefix)
 
+    @tf.function
+    def greedy_prefixed(source, prefix):
+        return kt.greedy_decode(model, source, START_ID, END_ID, prefix_ids=prefix, alpha=0.6)
+
     return {"model": model, "source_ids": source_ids, "pieces": pieces, "sample": sample, "prefixed": prefixed,
-            "detokenize": detokenize, "too_long": too_long}
+            "greedy_prefixed": greedy_prefixed, "detokenize": detokenize, "too_long": too_long}
 
 
 def _texts(run, name):
@@ -96,20 +100,27 @@ def test_the_sample_signature_draws_what_the_library_draws(exported, reference, 
                                     temperature=tf.constant([1.0, 0.0]), top_k=tf.constant([0, 0]))
 
 
-def test_the_prefix_signature_honours_the_prefix_and_an_empty_one_is_serving_default(exported, reference, tmp_path):
+@pytest.mark.parametrize("signature, plain, search", [("prefix", "serving_default", "prefixed"),
+                                                      ("greedy_prefix", "greedy", "greedy_prefixed")])
+def test_a_prefix_signature_honours_the_prefix_and_an_empty_one_is_its_plain_search(signature, plain, search,
+                                                                                    exported, reference, tmp_path):
+    """prefix (beam search) and greedy_prefix (greedy decoding): each output begins with its row's prefix pieces,
+    and its tokens and scores are the library's search with `prefix_ids` (through the text: the same detokenized
+    tokens); a blank prefix gives exactly the plain signature's output."""
     texts = multi30k_lines("test_2016_flickr.en", 8) + ["", LONG_TEXT]
     prefixes = ["Ein Hund", "Zwei Männer", "", "Eine Frau mit", "", "Ein", "Ein kleines Mädchen", "", "Ein", "Ein"]
-    result = run_tf1(exported, [("prefix", texts, {"prefix": prefixes}), ("serving_default", texts),
-                                ("prefix", texts, {"prefix": [""] * 10})], tmp_path)
+    result = run_tf1(exported, [(signature, texts, {"prefix": prefixes}), (plain, texts),
+                                (signature, texts, {"prefix": [""] * 10})], tmp_path)
     prefixed, best, empty = result["runs"]
     translations = _texts(prefixed, "translation")
     for text, prefix, translation in zip(texts, prefixes, translations):
         assert translation.startswith(prefix) if text else translation == ""
-    tokens, scores = reference["prefixed"](reference["source_ids"](texts), reference["pieces"](prefixes))
+    tokens, scores = reference[search](reference["source_ids"](texts), reference["pieces"](prefixes))
     decoded = [i for i, text in enumerate(texts) if text]  # "" is answered "" without a search
     assert [translations[i] for i in decoded] == [reference["detokenize"](tokens)[i] for i in decoded]
     np.testing.assert_allclose(np.array(prefixed["score"])[decoded], np.asarray(scores)[decoded], rtol=1e-4,
                                atol=1e-4)
+    assert translations != _texts(best, "translation")  # the prefixes changed outputs: they were forced
     assert prefixed["truncated"] == best["truncated"] and best["truncated"][9]
     assert _texts(empty, "translation") == _texts(best, "translation")
     np.testing.assert_allclose(empty["score"], best["score"], rtol=1e-6)
