@@ -27,13 +27,13 @@ from export.step import decode_step, uncached_logits
 from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound, prepare  # noqa: F401
 from keras_transformer.masking import PAD_ID
-from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps, check_options
+from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps, check_options, reorder_rows
 
 
 class GraphSearchOps(SearchOps):
     """The strategies' array ops on a TensorFlow CPU graph: a top-k by blocks of the vocabulary (`_top_k`), a
-    per-row gather as one `tf.gather` op (`take_along_axis` is a dozen ops, and a step at batch 1 costs its
-    ops' dispatch) and TensorFlow's own argmax (`keras.ops.argmax` adds four passes over `[rows, vocab]` to
+    per-row gather and a gather of rows as one `tf.gather` op each (`take_along_axis` is a dozen ops and
+    `keras.ops.take` four, and a step at batch 1 costs its ops' dispatch) and TensorFlow's own argmax (`keras.ops.argmax` adds four passes over `[rows, vocab]` to
     rank -0.0 below 0.0, which changes a choice only where both tie at the top of a row). They compute what
     `keras.ops` computes, ties included."""
 
@@ -45,6 +45,9 @@ class GraphSearchOps(SearchOps):
 
     def take_rows(self, x, index):
         return tf.gather(x, index, batch_dims=1)
+
+    def gather(self, x, index):
+        return tf.gather(x, index)
 
 
 GRAPH_OPS = GraphSearchOps()
@@ -144,24 +147,13 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         outputs = strategy.outputs(state) if not use_cache else None
         logits, cache = next_logits(state.index, tf.reshape(state.last, [-1]), outputs, state.cache, *memory)
         state, source_row = strategy.choose(state._replace(cache=cache), logits)
-        return state._replace(index=state.index + 1, cache=_reorder_cache(cache, source_row) if use_cache else cache)
+        return state._replace(index=state.index + 1, cache=reorder_rows(cache, source_row, GRAPH_OPS))
 
     # The single-best search keeps its own (smaller) results: its graph is what serving_default runs.
     best = (lambda x: x[:, 0]) if n_best is None else (lambda x: x[:, :n_best])
     tokens, scores = _run(strategy, step, state, (encoder_output, source_mask), steps, fixed_shapes,
                           lambda state: (best(state.finished_tokens), best(state.finished_scores)), k + 1)
     return _trim(tokens), scores
-
-
-def _reorder_cache(cache, source_row):
-    """Each row takes the self-attention keys/values of row `source_row` `[batch, rows]` of its sentence."""
-    batch_size, rows = tf.shape(source_row)[0], tf.shape(source_row)[1]
-    reorder = tf.reshape(tf.range(batch_size)[:, None] * rows + source_row, [-1])
-    return {
-        "self_attention": tf.nest.map_structure(lambda c: tf.gather(c, reorder), cache["self_attention"]),
-        # Identical for every row of a sentence: nothing to reorder.
-        "cross_attention": cache["cross_attention"],
-    }
 
 
 # ------------------------------------------------------------------ the loop
@@ -261,7 +253,6 @@ def _prepare(model, source_ids, max_length, fixed_shapes):
     prepared = prepare(model, source_ids, max_length)
     steps = prepared.steps if fixed_shapes else tf.reduce_max(tf.concat([prepared.limits, [1]], axis=0))
     return prepared.encoder_output, prepared.source_mask, prepared.limits, steps
-
 
 
 def _next_logits_fn(model, start_id, use_cache, fixed_shapes):

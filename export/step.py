@@ -4,8 +4,8 @@
 (`keras_transformer.Transformer`): the target embedding, the decoder's cached call (each layer's
 self-attention over its cache, cross-attention over the source's keys and values projected once, the
 feed-forward network, the residual blocks, the final norm), then the output projection. What a step
-computes is the library's; the engine chooses how two parts of it run, through the layers' documented
-extension API (`keras_transformer.attention.AttentionOps`), and one part of its own:
+computes is the library's (`Transformer.decode_step`); the engine chooses how two parts of it run,
+through the layers' documented extension API (`keras_transformer.attention.AttentionOps`):
 
 - fixed or growing shapes is the caller's explicit `fixed_shapes` (decided where the export decides
   XLA). Growing (the graph the stock model server runs): the self-attention cache starts empty and
@@ -14,9 +14,10 @@ extension API (`keras_transformer.attention.AttentionOps`), and one part of its 
   `keras.ops.slice_update`, whose TensorFlow kernel `XlaDynamicUpdateSlice` the stock TF Serving model
   server runs only with `--xla_cpu_compilation_enabled`;
 - outside XLA, the attention product of a step on Eigen's float32 batched matmul with the softmax
-  written out (`GraphAttentionOps`);
-- the tied output projection as one 2-D matmul with `transpose_b` (`project`): the library's portable
-  form transposes the embedding matrix, a copy of the whole matrix at every step of a graph.
+  written out (`GraphAttentionOps`).
+
+The tied output projection is the library's too: its transpose of the embedding matrix is folded into
+the matmul by TensorFlow's graph optimizer (Grappler), so a step does not copy the matrix.
 
 Beam hypotheses read their sentence's cross-attention keys and values by broadcasting (the layer's
 grouped cross-attention cache), so the cache is neither repeated per hypothesis nor copied when
@@ -62,32 +63,8 @@ def decode_step(model, token_ids, cache_index, source_mask, cache, fixed_shapes=
     Returns:
         (float32 logits `[rows, vocab]` for position `cache_index + 1`, the updated cache).
     """
-    x = model.target_embedding(token_ids[:, None], start_index=cache_index, training=False)
-    x, self_attention_cache = model.decoder(
-        x,
-        None,  # the cross-attention cache holds the source's keys and values
-        encoder_padding_mask=source_mask,
-        self_attention_cache=cache["self_attention"],
-        cache_index=cache_index,
-        cross_attention_cache=cache["cross_attention"],
-        training=False,
-        attention_ops=GraphAttentionOps(growing_cache=not fixed_shapes),
-    )
-    cache = {"self_attention": self_attention_cache, "cross_attention": cache["cross_attention"]}
-    return project(model, x)[:, 0], cache
-
-
-def project(model, x):
-    """`Transformer.project` on a graph: decoder output `[..., d_model]` -> float32 logits `[..., target_vocab]`,
-    the tied target embedding as one 2-D matmul (`transpose_b`: the embedding is never transposed)."""
-    if model.output_projection is not None:
-        return model.project(x)
-    embeddings = tf.cast(model.target_embedding.token_embedding.embeddings, x.dtype)
-    shape = tf.shape(x)
-    logits = tf.matmul(tf.reshape(x, [-1, shape[-1]]), embeddings, transpose_b=True)
-    logits = tf.reshape(logits, tf.concat([shape[:-1], tf.shape(embeddings)[:1]], axis=0))
-    # float32 logits keep the log-softmax exact under bfloat16.
-    return tf.cast(logits, tf.float32)
+    return model.decode_step(token_ids, cache_index, None, source_mask, cache,
+                             attention_ops=GraphAttentionOps(growing_cache=not fixed_shapes))
 
 
 def attend_on_eigen(query, key, value, mask):

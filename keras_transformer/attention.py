@@ -204,7 +204,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         query = query * ops.cast(1.0 / math.sqrt(float(self.key_dim)), query.dtype)
         mask = None if attention_mask is None else ops.cast(attention_mask, "bool")[:, None]
         if training and self.dropout > 0.0:
-            weights = masked_softmax(ops.matmul(query, ops.swapaxes(key, -1, -2)), mask)
+            weights = attention_weights(query, key, mask)
             return ops.matmul(attention_dropout_layer(self)(weights, training=training), value), weights
         return (attention_ops or KERAS_ATTENTION_OPS).attend(query, key, value, mask)
 
@@ -253,11 +253,17 @@ class AttentionOps:
         return ops.slice_update(heads, (0, 0, ops.cast(index, "int32"), 0), update)
 
     def attend(self, query, key, value, mask):
-        weights = masked_softmax(ops.matmul(query, ops.swapaxes(key, -1, -2)), mask)
+        weights = attention_weights(query, key, mask)
         return ops.matmul(weights, value), weights
 
 
 KERAS_ATTENTION_OPS = AttentionOps()
+
+
+def attention_weights(query, key, mask):
+    """softmax(query key^T) where `mask` allows: query `[..., query_len, dim]` (already scaled), key
+    `[..., key_len, dim]` -> weights `[..., query_len, key_len]`."""
+    return masked_softmax(ops.matmul(query, ops.swapaxes(key, -1, -2)), mask)
 
 
 def masked_softmax(scores, mask):

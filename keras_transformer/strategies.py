@@ -40,6 +40,11 @@ def used(option):
     return not (isinstance(option, tuple) and len(option) == 0)
 
 
+def _int32_if_used(option):
+    """`option` as int32, or `NOT_USED` as it is."""
+    return ops.cast(option, "int32") if used(option) else option
+
+
 def check_options(prefix_ids=NOT_USED, no_repeat_ngram_size=0):
     """A clear `ValueError` for a search option of the wrong kind: `no_repeat_ngram_size` an int >= 0, and
     `prefix_ids` (`NOT_USED` or None: no prefix) of shape `[batch, prefix_len]`."""
@@ -82,6 +87,10 @@ class SearchOps:
             index = ops.broadcast_to(ops.reshape(index, (*ops.shape(index), *([1] * extra_axes))),
                                      (*ops.shape(index), *ops.shape(x)[2:]))
         return ops.take_along_axis(x, index, axis=1)
+
+    def gather(self, x, index):
+        """`x` `[n, ...]` -> `[m, ...]`: its rows `index` `[m]` (int32, each in 0 ... n - 1)."""
+        return ops.take(x, index, axis=0)
 
 
 KERAS_OPS = SearchOps()
@@ -260,8 +269,8 @@ class Greedy(NamedTuple):
             lengths=ops.zeros((batch_size,), "int32"),
             tokens=ops.zeros((batch_size, columns), "int32"),
             cache=cache,
-            limits=limits if not used(limits) else ops.cast(limits, "int32"),
-            prefix_ids=prefix_ids if not used(prefix_ids) else ops.cast(prefix_ids, "int32"),
+            limits=_int32_if_used(limits),
+            prefix_ids=_int32_if_used(prefix_ids),
             sampling=sampling,
         )
 
@@ -370,7 +379,7 @@ class Beam(NamedTuple):
             greedy_done=ops.zeros((batch_size,), "bool"),
             cache=cache,
             limits=ops.cast(limits, "int32"),
-            prefix_ids=prefix_ids if not used(prefix_ids) else ops.cast(prefix_ids, "int32"),
+            prefix_ids=_int32_if_used(prefix_ids),
         )
 
     def outputs(self, state):
@@ -385,7 +394,7 @@ class Beam(NamedTuple):
         row's cache taken from the row it grew from (`reorder_rows`)."""
         logits, cache = next_logits(ops.reshape(state.last, (-1,)), state.index, self.outputs(state), state.cache)
         state, source_row = self.choose(state, logits)
-        return state._replace(index=state.index + 1, cache=reorder_rows(cache, source_row))
+        return state._replace(index=state.index + 1, cache=reorder_rows(cache, source_row, self.search_ops))
 
     def choose(self, state, logits):
         """The beam's step from `logits` `[batch * (k + 1), vocab]` (rows sentence-major).
@@ -510,8 +519,9 @@ class Beam(NamedTuple):
         )
 
 
-def reorder_rows(cache, source_row):
-    """Each hypothesis row takes the self-attention cache of row `source_row` `[batch, rows]` of its sentence.
+def reorder_rows(cache, source_row, search_ops=KERAS_OPS):
+    """Each hypothesis row takes the self-attention cache of row `source_row` `[batch, rows]` of its sentence
+    (`search_ops.gather`).
 
     The cross-attention cache is the same for every row of a sentence: nothing to reorder.
     """
@@ -520,6 +530,7 @@ def reorder_rows(cache, source_row):
     batch_size, rows = ops.shape(source_row)[0], ops.shape(source_row)[1]
     reorder = ops.reshape(ops.arange(batch_size, dtype="int32")[:, None] * rows + source_row, (-1,))
     return {
-        "self_attention": keras.tree.map_structure(lambda c: ops.take(c, reorder, axis=0), cache["self_attention"]),
+        "self_attention": keras.tree.map_structure(lambda c: search_ops.gather(c, reorder),
+                                                   cache["self_attention"]),
         "cross_attention": cache["cross_attention"],
     }

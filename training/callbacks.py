@@ -146,6 +146,12 @@ class TimeBudget(keras.callbacks.Callback):
                   flush=True)
 
 
+def optimizer_updates(model) -> int:
+    """The updates `model`'s optimizer has made (`optimizer.iterations`: a backup restores it, and
+    accumulated batches count once)."""
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
 class UpdateBudget(keras.callbacks.Callback):
     """Ends `fit` once the optimizer has made `max_updates` updates (fairseq's `--max-update`).
 
@@ -162,11 +168,8 @@ class UpdateBudget(keras.callbacks.Callback):
         self.max_updates = max_updates
         self.stopped_at = None
 
-    def updates(self) -> int:
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-
     def on_train_batch_end(self, batch, logs=None):
-        done = self.updates()
+        done = optimizer_updates(self.model)
         if done >= self.max_updates and self.stopped_at is None:
             self.model.stop_training = True
             self.stopped_at = done
@@ -191,12 +194,9 @@ class EpochETA(keras.callbacks.Callback):
             raise ValueError("EpochETA needs epochs or max_updates")
         self.epochs, self.max_minutes, self.clock, self.max_updates = epochs, max_minutes, clock, max_updates
 
-    def _updates(self) -> int:
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-
     def on_train_begin(self, logs=None):
         self.t0, self.first_epoch = self.clock(), None
-        self.first_update = self._updates() if self.max_updates else 0
+        self.first_update = optimizer_updates(self.model) if self.max_updates else 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.first_epoch is None:
@@ -208,7 +208,7 @@ class EpochETA(keras.callbacks.Callback):
         if self.epochs:
             lefts.append((self.epochs - epoch - 1) * elapsed / (epoch + 1 - self.first_epoch))
         if self.max_updates:
-            updates = self._updates()
+            updates = optimizer_updates(self.model)
             done += f" (update {updates:,}/{self.max_updates:,})"
             lefts.append(max(0, self.max_updates - updates) * elapsed / max(1, updates - self.first_update))
         left = min(lefts)
