@@ -39,7 +39,7 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
 from export.translator import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
-from export.translator import read_config, recorded_setting  # noqa: E402
+from export.translator import read_config_or_exit, recorded_setting  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -157,11 +157,7 @@ def main(argv=None) -> int:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
         parser.error(f"--parallel-loops must be a number >= 1 or auto, got {args.parallel_loops!r}")
-    try:
-        config = read_config(args.model_dir)
-    except FileNotFoundError as e:
-        print(f"kt-export: error: {e}", file=sys.stderr)
-        return 2
+    config = read_config_or_exit(args.model_dir, "kt-export")
     args.beam_size = recorded_setting(config, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.alpha = recorded_setting(config, "alpha", args.alpha, DEFAULT_ALPHA)
     t0 = time.time()

@@ -97,6 +97,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import keras
@@ -142,6 +143,16 @@ def read_config(model_dir) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {model_dir} a directory written by kt-train?")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_config_or_exit(model_dir, command: str) -> dict:
+    """`read_config` for a command line tool: a missing config.json prints one line naming `command` and the
+    directory, and exits with status 2 (as argparse does for a bad argument)."""
+    try:
+        return read_config(model_dir)
+    except FileNotFoundError as e:
+        print(f"{command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 # The search settings of kt-evaluate and kt-export when neither the command line nor the run's config.json

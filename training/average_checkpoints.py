@@ -31,7 +31,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
-from export.translator import MODEL_FILENAME, read_config, recorded_setting  # noqa: E402
+from export.translator import MODEL_FILENAME, read_config_or_exit, recorded_setting  # noqa: E402
 from training.config import CHECKPOINT_DIR  # noqa: E402
 
 # The paper averaged the last 5 checkpoints of its base models.
@@ -126,11 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = p.parse_args(argv)
 
-    try:
-        cfg = read_config(args.model_dir)
-    except FileNotFoundError as e:
-        print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
-        return 2
+    cfg = read_config_or_exit(args.model_dir, "kt-average-checkpoints")
     args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_LAST)
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
