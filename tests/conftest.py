@@ -277,6 +277,20 @@ def exported(quick_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def xla_exported(quick_model_dir, tmp_path_factory):
+    """The quick model's export with an XLA decoder for batches of up to XLA_MAX_BATCH sentences (`kt-export
+    --xla-max-batch`), the graph decoder above: one for the test run, read by the export and C++ loader tests."""
+    from export.export_model import export
+
+    return built_once(tmp_path_factory, "xla-exports",
+                      lambda folder: export(quick_model_dir, folder, xla_max_batch=XLA_MAX_BATCH, check_ops=False))
+
+
+# The largest batch the XLA decoder of `xla_exported` takes.
+XLA_MAX_BATCH = 4
+
+
+@pytest.fixture(scope="session")
 def copy_model():
     """Trained one epoch on the copy task: it has learned END but is still unsure,
     so beams really differ (a random model never says END)."""
@@ -319,20 +333,25 @@ def trimmed(tokens):
 
 
 def uncached_greedy(model, source, max_length):
-    """Greedy decoding by the definition: a full forward pass for every new token."""
-    target = np.full((len(source), 1), START_ID, "int32")
+    """Greedy decoding by the definition: a full forward pass for every new token.
+
+    The pass reads the whole target buffer `[batch, max_length + 1]`, padded after the tokens chosen so far,
+    so every pass has one shape: JAX's eager ops then compile once, not once per length. The padding sits at
+    future positions, which the causal mask hides (and padding keys are masked besides)."""
+    target = np.zeros((len(source), max_length + 1), "int32")
+    target[:, 0] = START_ID
     finished = np.zeros(len(source), bool)
     for t in range(max_length):
-        log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(model((source, target))[:, -1]))
+        log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(model((source, target))[:, t]))
         log_probs[:, 0] = -np.inf  # padding is never produced
         if t + 1 == max_length:
             log_probs[:, np.arange(log_probs.shape[1]) != END_ID] = -np.inf
         token = np.where(finished, 0, log_probs.argmax(-1))
-        target = np.concatenate([target, token[:, None].astype("int32")], axis=1)
+        target[:, t + 1] = token
         finished |= token == END_ID
         if finished.all():
             break
-    return target[:, 1:]
+    return target[:, 1 : t + 2]
 
 
 def never_ending_model(**kwargs):

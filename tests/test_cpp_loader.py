@@ -23,8 +23,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_text
 
-from conftest import REPO, SUBPROCESS_ENV, multi30k_lines, needs_multi30k, run_tf1
-from export.export_model import WARMUP_BATCHES, WARMUP_FILE, export
+from conftest import REPO, SUBPROCESS_ENV, XLA_MAX_BATCH, multi30k_lines, needs_multi30k, run_tf1
+from export.export_model import WARMUP_BATCHES, WARMUP_FILE
 
 pytestmark = needs_multi30k
 
@@ -267,16 +267,16 @@ def test_a_refused_request_gets_an_error_answer_and_the_loader_serves_on(serving
         assert [outputs(r) for r in got] == [tf1_outputs(r) for r in python]
 
 
-def test_cpp_loader_runs_the_xla_decoder(serving_check, quick_model_dir, tmp_path):
-    """An export with an XLA decoder for batches of up to 8 (`kt-export --xla-max-batch 8`; TF Serving runs
-    it with --xla_cpu_compilation_enabled): the C++ loader compiles and runs it, and answers byte for
-    byte as the Python session does, hostile input included, at batches on both sides of the threshold."""
-    xla_export = export(quick_model_dir, tmp_path / "exports", xla_max_batch=8, check_ops=False)
+def test_cpp_loader_runs_the_xla_decoder(serving_check, xla_exported, tmp_path):
+    """An export with an XLA decoder for small batches (`kt-export --xla-max-batch`; TF Serving runs it with
+    --xla_cpu_compilation_enabled): the C++ loader compiles and runs it, and answers byte for byte as the
+    Python session does, hostile input included, at batches on both sides of the threshold."""
     sentences = multi30k_lines("test_2016_flickr.en", 12)
+    hostile = [HOSTILE[:XLA_MAX_BATCH], HOSTILE[XLA_MAX_BATCH:]]  # each part under XLA, the whole without
     requests = [(sig, texts) for sig in TEXT_SIGNATURES
-                for texts in (sentences[:1], sentences[:5], HOSTILE, sentences, [])]
-    cpp, _ = run_serving_check(serving_check, xla_export, tmp_path, requests)
-    python = run_tf1(xla_export, requests, tmp_path)["runs"]
+                for texts in (sentences[:1], sentences[:XLA_MAX_BATCH + 1], *hostile, HOSTILE, sentences, [])]
+    cpp, _ = run_serving_check(serving_check, xla_exported, tmp_path, requests)
+    python = run_tf1(xla_exported, requests, tmp_path)["runs"]
     for (signature, texts), got, expected in zip(requests, cpp, python):
         assert "error" not in got, got["error"]
         assert outputs(got) == tf1_outputs(expected), (signature, len(texts))

@@ -13,13 +13,18 @@ from portable.conftest import jit, to_numpy
 
 
 def _reference_generation(model, prompt, max_new_tokens):
-    """Greedy generation as defined: the whole prefix through the model at every step, never the pad id 0."""
-    tokens = prompt
-    for _ in range(max_new_tokens):
-        logits = to_numpy(model(tokens))[:, -1]
+    """Greedy generation as defined: the whole prefix through the model at every step, never the pad id 0.
+
+    Each pass reads one buffer `[batch, prompt_len + max_new_tokens]`, padded after the tokens so far (future
+    positions, which the causal mask hides), so every pass has one shape and JAX's eager ops compile once."""
+    n = prompt.shape[1]
+    tokens = np.zeros((prompt.shape[0], n + max_new_tokens), "int32")
+    tokens[:, :n] = prompt
+    for t in range(n, n + max_new_tokens):
+        logits = to_numpy(model(tokens))[:, t - 1]
         logits[:, kt.PAD_ID] = -np.inf
-        tokens = np.concatenate([tokens, logits.argmax(-1)[:, None].astype("int32")], axis=1)
-    return tokens[:, prompt.shape[1] :]
+        tokens[:, t] = logits.argmax(-1)
+    return tokens[:, n:]
 
 
 def test_compiled_greedy_generate_equals_rerunning_the_prefix(trained_lm):
