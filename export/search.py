@@ -33,9 +33,9 @@ from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, Searc
 class GraphSearchOps(SearchOps):
     """The strategies' array ops on a TensorFlow CPU graph: a top-k by blocks of the vocabulary (`_top_k`), a
     per-row gather and a gather of rows as one `tf.gather` op each (`take_along_axis` is a dozen ops and
-    `keras.ops.take` four, and a step at batch 1 costs its ops' dispatch) and TensorFlow's own argmax (`keras.ops.argmax` adds four passes over `[rows, vocab]` to
-    rank -0.0 below 0.0, which changes a choice only where both tie at the top of a row). They compute what
-    `keras.ops` computes, ties included."""
+    `keras.ops.take` four, and a step at batch 1 costs its ops' dispatch) and TensorFlow's own argmax
+    (`keras.ops.argmax` adds four passes over `[rows, vocab]` to rank -0.0 below 0.0, which changes a choice
+    only where both tie at the top of a row). They compute what `keras.ops` computes, ties included."""
 
     def top_k(self, values, k):
         return _top_k(values, k)

@@ -276,6 +276,10 @@ def exported(quick_model_dir, tmp_path_factory):
                       lambda folder: export(quick_model_dir, folder, check_ops=False, parallel_loops=2))
 
 
+# The largest batch the XLA decoder of `xla_exported` takes.
+XLA_MAX_BATCH = 4
+
+
 @pytest.fixture(scope="session")
 def xla_exported(quick_model_dir, tmp_path_factory):
     """The quick model's export with an XLA decoder for batches of up to XLA_MAX_BATCH sentences (`kt-export
@@ -284,10 +288,6 @@ def xla_exported(quick_model_dir, tmp_path_factory):
 
     return built_once(tmp_path_factory, "xla-exports",
                       lambda folder: export(quick_model_dir, folder, xla_max_batch=XLA_MAX_BATCH, check_ops=False))
-
-
-# The largest batch the XLA decoder of `xla_exported` takes.
-XLA_MAX_BATCH = 4
 
 
 @pytest.fixture(scope="session")
