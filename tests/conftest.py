@@ -31,6 +31,8 @@ needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.en").is_file(), reaso
 # For subprocesses that import the project from this checkout.
 SUBPROCESS_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
 QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
+# More pieces than the quick model's source limit (QUICK_MODEL_MAX_LENGTH), however the vocabulary cuts it.
+LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 # The interpreter of each Keras backend's virtualenv (the TF suite runs in its own), and the make target that
 # creates it: JAX and PyTorch each have one without TensorFlow.
 BACKEND_VENVS = {
@@ -239,6 +241,36 @@ def run_tf1(saved_model, requests, tmp_path):
                           text=True, env=env, cwd=str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+# Loaded SavedModels of this test process, by (saved_model.pb path, its mtime): see load_saved_model.
+_LOADED_SAVED_MODELS = {}
+
+
+def load_saved_model(path, load=None):
+    """`tf.saved_model.load(path)`, once per export for the whole test process (a rewritten export loads afresh).
+    Loading rebuilds every signature's functions in Python, and a signature's first call optimizes its graph:
+    the tests that only call signatures share one loaded object, and the tests of loading itself (the TF1 and
+    C++ loaders, `kt-translate` in a subprocess) load their own. `load`: the loader to use when the export is
+    not loaded yet (`one_load_per_export` passes the real one)."""
+    import tensorflow as tf
+
+    pb = Path(path).resolve() / "saved_model.pb"
+    key = (pb, pb.stat().st_mtime_ns)
+    if key not in _LOADED_SAVED_MODELS:
+        _LOADED_SAVED_MODELS[key] = (load or tf.saved_model.load)(str(pb.parent))
+    return _LOADED_SAVED_MODELS[key]
+
+
+@pytest.fixture
+def one_load_per_export(monkeypatch):
+    """For this test, `tf.saved_model.load(path)` (what `kt-translate --saved-model` calls in process) is
+    `load_saved_model(path)`."""
+    import tensorflow as tf
+
+    load = tf.saved_model.load
+    monkeypatch.setattr(tf.saved_model, "load", lambda path, *args, **kwargs: (
+        load(path, *args, **kwargs) if args or kwargs else load_saved_model(path, load)))
 
 
 def full_pass_decoder(start_id):

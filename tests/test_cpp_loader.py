@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_text
 
-from conftest import REPO, SUBPROCESS_ENV, XLA_MAX_BATCH, multi30k_lines, needs_multi30k, run_tf1
+from conftest import REPO, SUBPROCESS_ENV, XLA_MAX_BATCH, load_saved_model, multi30k_lines, needs_multi30k, run_tf1
 from export.export_model import WARMUP_BATCHES, WARMUP_FILE
 
 pytestmark = needs_multi30k
@@ -291,7 +291,7 @@ def test_empty_and_whitespace_inputs_translate_to_empty(serving_check, exported,
     batch = [blank[0], s0, *blank[1:], s1]
     requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (batch, [s0], [s1], blank)]
     cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
-    loaded = tf.saved_model.load(str(exported))
+    loaded = load_saved_model(exported)
     for (signature, texts), got in zip(requests, cpp):
         python = loaded.signatures[signature](text=tf.constant(texts))
         assert translations(got) == python["translation"].numpy().tolist()

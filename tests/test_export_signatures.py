@@ -10,14 +10,12 @@ import tensorflow as tf
 
 import keras_transformer as kt
 from conftest import QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
-from conftest import multi30k_lines, needs_multi30k, run_tf1
+from conftest import LONG_TEXT, load_saved_model, multi30k_lines, needs_multi30k, run_tf1
 from export.engine_weights import engine_model
 from export.translator import decode_policy, load_model_dir
 from keras_transformer.text import END_ID, START_ID
 
 pytestmark = needs_multi30k
-
-LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +92,7 @@ def test_the_sample_signature_draws_what_the_library_draws(exported, reference, 
     assert _texts(alone, "translation") == _texts(first, "translation")[3:4]
     assert _texts(first, "translation") != _texts(greedy, "translation")  # the draws are not the greedy choice
 
-    loaded = tf.saved_model.load(str(exported))
+    loaded = load_saved_model(exported)
     with pytest.raises(tf.errors.InvalidArgumentError, match="temperature must be > 0"):
         loaded.signatures["sample"](text=tf.constant(texts[:2]), seed=tf.constant([1, 2], tf.int64),
                                     temperature=tf.constant([1.0, 0.0]), top_k=tf.constant([0, 0]))
