@@ -179,8 +179,9 @@ def multi30k_lines(name, n):
 
 
 def write_lines(path, lines):
-    """`lines`, one per line, to `path` (returned)."""
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    """`lines` (str, written as UTF-8, or bytes, written as they are: invalid UTF-8 too), one per line, to
+    `path` (returned)."""
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode("utf-8")) + b"\n" for line in lines))
     return path
 
 

@@ -413,12 +413,6 @@ def test_a_temperature_of_zero_is_a_serving_error_naming_it(stand_in_server):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.value.details()
 
 
-def _write_file(path, lines):
-    """`lines` (str or bytes), one per line."""
-    path.write_bytes(b"".join(line + b"\n" for line in _as_bytes(lines)))
-    return path
-
-
 def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_files(exported, stand_in_server,
                                                                                     tmp_path, one_load_per_export):
     """kt-translate --sample, --prefix, --greedy --prefix, --score and --align write the same file in process
@@ -429,10 +423,10 @@ def test_kt_translate_modes_in_process_and_through_the_server_write_the_same_fil
     from export import translate as translate_cli
 
     lines = _lines("val.en", 4)[:2] + [""] + _lines("val.en", 4)[2:] + [b"\xff broken"]
-    source = _write_file(tmp_path / "in.en", lines)
-    prefixes = _write_file(tmp_path / "prefix.de", ["Ein", "Zwei", "", "", "Eine Frau", "Ein"])
+    source = write_lines(tmp_path / "in.en", lines)
+    prefixes = write_lines(tmp_path / "prefix.de", ["Ein", "Zwei", "", "", "Eine Frau", "Ein"])
     targets = _lines("val.de", 4)[:2] + [""] + _lines("val.de", 4)[2:] + ["Kaputt."]
-    targets_file = _write_file(tmp_path / "targets.de", targets)
+    targets_file = write_lines(tmp_path / "targets.de", targets)
     modes = {"sample": ["--sample", "--temperature", "0.8", "--top-k", "10", "--seed", "5"],
              "prefix": ["--prefix", str(prefixes)], "greedy_prefix": ["--greedy", "--prefix", str(prefixes)],
              "score": ["--score", str(targets_file)], "align": ["--align"]}
@@ -484,7 +478,7 @@ def test_kt_translate_sample_is_the_same_in_any_batch_and_changes_with_the_seed(
     from export import translate as translate_cli
 
     lines = _lines("val.en", 12)[:6] + [""] + _lines("val.en", 12)[6:]
-    source = _write_file(tmp_path / "in.en", lines)
+    source = write_lines(tmp_path / "in.en", lines)
 
     def sampled(*flags):
         out = tmp_path / "out.de"
@@ -529,8 +523,8 @@ def test_kt_translate_refuses_mismatched_line_counts_and_flags_that_do_not_go_to
     model is loaded."""
     from export import translate as translate_cli
 
-    source = _write_file(tmp_path / "in.en", ["A dog.", "", "Two cats."])
-    short = _write_file(tmp_path / "short.de", ["Ein Hund.", ""])
+    source = write_lines(tmp_path / "in.en", ["A dog.", "", "Two cats."])
+    short = write_lines(tmp_path / "short.de", ["Ein Hund.", ""])
     base = ["--saved-model", str(tmp_path / "no-model-here"), "--input", str(source)]
     for flag, word in (("--prefix", "prefix"), ("--score", "target")):
         with pytest.raises(SystemExit) as exit_:
