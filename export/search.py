@@ -379,6 +379,9 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")
     if num_loops == 1:
         return search(source_ids, *row_inputs)
+    # One traced search that every loop calls: the graph, and a SavedModel, hold it once rather than once per
+    # loop, which shortens tracing, saving and loading; the executor still runs the loops' calls at once.
+    search = tf.function(search)
     source_ids = tf.convert_to_tensor(source_ids)
     batch_size = tf.shape(source_ids)[0]
     # A loop past the batch's last row gets none (Range rejects a start past its limit).

@@ -323,6 +323,11 @@ class Translator(tf.Module):
             self._xla_greedy = tf.function(
                 lambda source: self._search(source, xla_model, greedy=True, fixed_shapes=True), jit_compile=True)
 
+        # One traced beam search of source ids, called by serving_default, align and translate_ids: the
+        # SavedModel holds its graph once, not once per signature (n_best, prefix and the XLA program differ).
+        self._beam = tf.function(lambda source: self._search(source),
+                                 input_signature=[tf.TensorSpec([None, None], tf.int32)])
+
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
         self.translate = tf.function(self._translate_beam, input_signature=text_spec)
         self.translate_greedy = tf.function(self._translate_greedy, input_signature=text_spec)
@@ -469,7 +474,7 @@ class Translator(tf.Module):
                     "source_pieces": self._piece_strings(source, tf.zeros_like(empty)),
                     "target_pieces": self._piece_strings(tokens, empty)}
 
-        return self._translate_text(text, self._search, extra=alignment)
+        return self._translate_text(text, self._beam, extra=alignment)
 
     def _piece_strings(self, ids, empty):
         """Ids `[batch, length]` -> their pieces, "" at padding and in the rows `empty` `[batch]`."""
@@ -486,7 +491,7 @@ class Translator(tf.Module):
                 "truncated": tokenized["truncated"] | self._truncated(target_pieces)}
 
     def _translate_beam(self, text):
-        return self._translate_text(text, self._search, self._xla_beam if self.xla_max_batch else None)
+        return self._translate_text(text, self._beam, self._xla_beam if self.xla_max_batch else None)
 
     def _translate_greedy(self, text):
         return self._translate_text(text, functools.partial(self._search, greedy=True),
@@ -496,7 +501,7 @@ class Translator(tf.Module):
         # The same source the text signatures decode: pieces truncated to the limit, then one end id.
         pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
         source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
-        tokens, scores = self._search(source)
+        tokens, scores = self._beam(tf.cast(source, tf.int32))
         return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1]),
                 "truncated": self._truncated(pieces)}
 

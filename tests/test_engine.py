@@ -404,7 +404,8 @@ def test_a_sentence_decodes_the_same_alone_and_in_any_batch(copy_model, decode):
 
 @pytest.mark.parametrize("decode", ["greedy", "beam"])
 def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
-    """Each of the loops is its own `tf.while_loop` in the graph, and the rows come back in place."""
+    """The loops are independent calls of one traced search, each running its own `tf.while_loop`, and the
+    rows come back in place."""
     if decode == "greedy":
         run = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
     else:
@@ -422,7 +423,11 @@ def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
             np.testing.assert_array_equal(tokens.numpy(), expected_tokens.numpy())
             np.testing.assert_allclose(scores.numpy(), expected_scores.numpy(), rtol=1e-5)
         graph = parallel.get_concrete_function().graph.as_graph_def()
-        assert sum(node.op in ("While", "StatelessWhile") for node in graph.node) == num_loops
+        calls = [node.attr["f"].func.name for node in graph.node
+                 if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
+        assert len(calls) == num_loops and len(set(calls)) == 1, calls
+        searched = next(f for f in graph.library.function if f.signature.name == calls[0])
+        assert sum(node.op in ("While", "StatelessWhile") for node in searched.node_def) == 1
     with pytest.raises(ValueError, match="num_loops must be >= 1, got 0"):
         search.parallel_decode(run, sources, 0)
 
