@@ -63,7 +63,7 @@ test: venv venv-jax venv-torch
 test-tf: venv
 	KERAS_BACKEND=tensorflow $(PY) $(PYTEST) tests --durations=25
 
-# The JAX suite's time is mostly XLA compiling hundreds of small programs, each run a few times: LLVM's slower
+# The JAX suite's time is mostly XLA compiling many small programs, each run a few times: LLVM's slower
 # optimisations cost more there than they save (docs/testing.md). The same programs, compiled with less effort;
 # your own XLA_FLAGS come after these. Users' programs keep JAX's defaults.
 JAX_TEST_XLA_FLAGS := --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
