@@ -501,7 +501,7 @@ class Translator(tf.Module):
         # The same source the text signatures decode: pieces truncated to the limit, then one end id.
         pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
         source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
-        tokens, scores = self._beam(tf.cast(source, tf.int32))
+        tokens, scores = self._beam(source)  # int32, as source_ids
         return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1]),
                 "truncated": self._truncated(pieces)}
 
