@@ -136,6 +136,60 @@ def scores(run):
     return [struct.unpack(">f", bytes.fromhex(s))[0] for s in run["score"]]
 
 
+def warmup_records(saved_model):
+    """The export's warm-up file as [(signature, [texts])], in order, read as PredictionLogs (TF Serving's format)."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    records = []
+    for raw in tf.data.TFRecordDataset(str(Path(saved_model) / WARMUP_FILE)).as_numpy_iterator():
+        request = prediction_log_pb2.PredictionLog.FromString(raw).predict_log.request
+        assert request.model_spec.name == "translator" and list(request.inputs) == ["text"]
+        records.append((request.model_spec.signature_name,
+                        [t.decode() for t in tf.make_ndarray(request.inputs["text"])]))
+    return records
+
+
+def _shared_parts():
+    """{test: (its requests to the C++ loader, those of them the TF1 session answers too)}, for `shared_runs`."""
+    sentences = multi30k_lines("test_2016_flickr.en", 50)
+    serve = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (sentences, HOSTILE, [])]
+    serve += [("greedy", multi30k_lines("val.en", 512)), ("n_best", sentences[:20] + HOSTILE), ("n_best", [])]
+    empty = [("score", [], {"target": []}), ("align", [])]
+    texts, good = sentences[:3], sampling_inputs(3)
+    refused = [("sample", texts, {**good, "temperature": [1.0, 0.0, 1.5]}),
+               ("sample", texts, {**good, "beam_size": [4, 4, 4]}),  # not an input of the signature
+               ("sample", texts, {**good, "top_k": [0.5, 1.0, 5.0]}),  # floats for an int32 input
+               ("sample", texts)]  # no seed, temperature, top_k
+    served = [("sample", texts, good), ("greedy", texts), ("prefix", texts, {"prefix": ["Ein"] * 3})]
+    s0, s1 = sentences[:2]
+    blank = ["", " ", "\t\n", "\u00a0\u3000"]  # the tokenizer's normalization turns Unicode spaces to spaces
+    blanks = [(sig, batch) for sig in TEXT_SIGNATURES for batch in ([blank[0], s0, *blank[1:], s1], [s0], [s1], blank)]
+    return {"serve": (serve, serve), "empty": (empty, empty),
+            "refused": (refused[:1] + served + refused[1:] + served, served), "blank": (blanks, [])}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(serving_check, exported, tmp_path_factory):
+    """One serving_check run and one TF1 session run that answer the requests of the tests below that need no
+    request threads, as {test: (requests, C++ runs, TF1 runs of its Python requests)}, and "warmup": (records,
+    their C++ replays, their TF1 runs). The C++ loader replays the warm-up records, then runs every test's
+    requests in turn in one session, as TF Serving's one session answers whatever arrives. Why shared: each
+    loader's start and load of the export takes longer than most of these tests' requests."""
+    tmp = tmp_path_factory.mktemp("cpp-shared")
+    parts, records = _shared_parts(), warmup_records(exported)
+    requests = [r for cpp_requests, _ in parts.values() for r in cpp_requests]
+    python_requests = records + [r for _, python in parts.values() for r in python]
+    cpp, _ = run_serving_check(serving_check, exported, tmp, requests, warmup=True)
+    python = run_tf1(exported, python_requests, tmp)["runs"]
+    runs = {"warmup": (records, cpp[:len(records)], python[:len(records)])}
+    cpp, python = cpp[len(records):], python[len(records):]
+    for name, (cpp_requests, python_part) in parts.items():
+        runs[name] = (cpp_requests, cpp[:len(cpp_requests)], python[:len(python_part)])
+        cpp, python = cpp[len(cpp_requests):], python[len(python_part):]
+    assert cpp == [] and python == []
+    return runs
+
+
 def test_serving_check_builds_once_and_skips_without_a_compiler(serving_check, monkeypatch, tmp_path):
     """Must-show 3: the binary is reused while its source and TensorFlow are unchanged; without g++ the
     tests skip, saying which package to install (README.md's Install section names it too)."""
@@ -148,16 +202,10 @@ def test_serving_check_builds_once_and_skips_without_a_compiler(serving_check, m
     assert "apt-get install g++" in (REPO / "README.md").read_text(encoding="utf-8")
 
 
-def test_cpp_loader_serves_what_the_python_session_serves(serving_check, exported, tmp_path):
+def test_cpp_loader_serves_what_the_python_session_serves(shared_runs):
     """Must-show 1: LoadSavedModel + Session::Run in C++ give byte for byte the TF1 Python session's
     translations and scores, on 50 Multi30k sentences and hostile input, both text signatures."""
-    sentences = multi30k_lines("test_2016_flickr.en", 50)
-    batch_512 = multi30k_lines("val.en", 512)
-    requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (sentences, HOSTILE, [])]
-    requests.append(("greedy", batch_512))
-    requests += [("n_best", sentences[:20] + HOSTILE), ("n_best", [])]
-    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
-    python = run_tf1(exported, requests, tmp_path)["runs"]
+    requests, cpp, python = shared_runs["serve"]
     assert [r["signature"] for r in cpp] == [sig for sig, _ in requests]
     for (signature, texts), got, expected in zip(requests, cpp, python):
         assert "error" not in got, got["error"]
@@ -232,33 +280,24 @@ def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_
     assert translations(aligned) == best_translations
 
 
-def test_cpp_loader_answers_an_empty_batch_of_score_and_align(serving_check, exported, tmp_path):
+def test_cpp_loader_answers_an_empty_batch_of_score_and_align(shared_runs):
     """A batch of 0 texts, which TF Serving passes on as any other: score and align answer it with outputs of
     batch 0, without error, and as the Python session does. (They failed before `score_targets` and
     `align_targets` took sources and targets of length 0, the shapes of an empty batch.)"""
-    requests = [("score", [], {"target": []}), ("align", [])]
-    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
+    _, cpp, python = shared_runs["empty"]
     assert [r.get("error") for r in cpp] == [None, None]
-    python = run_tf1(exported, requests, tmp_path)["runs"]
     assert [outputs(r) for r in cpp] == [tf1_outputs(r) for r in python]
     assert cpp[0]["score_shape"] == cpp[0]["log_prob_shape"] == [0]
     assert cpp[1]["alignment_shape"][0] == cpp[1]["target_pieces_shape"][0] == cpp[1]["source_pieces_shape"][0] == 0
 
 
-def test_a_refused_request_gets_an_error_answer_and_the_loader_serves_on(serving_check, exported, tmp_path):
+def test_a_refused_request_gets_an_error_answer_and_the_loader_serves_on(shared_runs):
     """A sample request with a temperature of 0 is refused by the graph's own check: the C++ loader answers it
     with an error that names the temperature, as TF Serving would answer the client, without crashing, and the
     same session then answers the next requests as the Python session does. A request that feeds an input the
     signature does not have, a value not of the input's dtype, or no value for an input fails alone too."""
-    texts = multi30k_lines("test_2016_flickr.en", 3)
-    good = sampling_inputs(3)
-    refused = [("sample", texts, {**good, "temperature": [1.0, 0.0, 1.5]}),
-               ("sample", texts, {**good, "beam_size": [4, 4, 4]}),  # not an input of the signature
-               ("sample", texts, {**good, "top_k": [0.5, 1.0, 5.0]}),  # floats for an int32 input
-               ("sample", texts)]  # no seed, temperature, top_k
-    served = [("sample", texts, good), ("greedy", texts), ("prefix", texts, {"prefix": ["Ein"] * 3})]
-    cpp, _ = run_serving_check(serving_check, exported, tmp_path, refused[:1] + served + refused[1:] + served)
-    python = run_tf1(exported, served, tmp_path)["runs"]
+    requests, cpp, python = shared_runs["refused"]
+    served = requests[1:1 + len(python)]
     temperature, errors = cpp[0], cpp[1 + len(served):1 + len(served) + 3]
     assert "temperature must be > 0" in temperature.get("error", "")
     assert "beam_size" in errors[0].get("error", "") and "top_k" in errors[1].get("error", "")
@@ -283,14 +322,10 @@ def test_cpp_loader_runs_the_xla_decoder(serving_check, xla_exported, tmp_path):
     assert all(translations(cpp[1])) and translations(cpp[2])[:3] == [b""] * 3
 
 
-def test_empty_and_whitespace_inputs_translate_to_empty(serving_check, exported, tmp_path):
+def test_empty_and_whitespace_inputs_translate_to_empty(shared_runs, exported):
     """Must-show 2: nothing to translate gives "" and score 0, in C++ and in Python, and the other rows
     of the batch translate as they do alone."""
-    s0, s1 = multi30k_lines("test_2016_flickr.en", 2)
-    blank = ["", " ", "\t\n", "\u00a0\u3000"]  # the tokenizer's normalization turns Unicode spaces to spaces
-    batch = [blank[0], s0, *blank[1:], s1]
-    requests = [(sig, texts) for sig in TEXT_SIGNATURES for texts in (batch, [s0], [s1], blank)]
-    cpp, _ = run_serving_check(serving_check, exported, tmp_path, requests)
+    requests, cpp, _ = shared_runs["blank"]
     loaded = load_saved_model(exported)
     for (signature, texts), got in zip(requests, cpp):
         python = loaded.signatures[signature](text=tf.constant(texts))
@@ -323,18 +358,13 @@ def test_concurrent_session_runs_answer_like_sequential_ones(serving_check, expo
     assert concurrent["errors"] == [] and concurrent["mismatches"] == []
 
 
-def test_warmup_requests_are_written_and_replay(serving_check, exported, tmp_path):
+def test_warmup_requests_are_written_and_replay(shared_runs):
     """Must-show 5: the export's TF Serving warm-up file holds PredictionLogs for both text signatures
     (batches of 1 and 8); serving_check reads them as the model server does, and each replays without
     error and with the Python session's answers."""
     from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
 
-    records = []
-    for raw in tf.data.TFRecordDataset(str(exported / WARMUP_FILE)).as_numpy_iterator():
-        log = prediction_log_pb2.PredictionLog.FromString(raw)
-        request = log.predict_log.request
-        records.append((request.model_spec.signature_name, [t.decode() for t in tf.make_ndarray(request.inputs["text"])]))
-        assert request.model_spec.name == "translator" and list(request.inputs) == ["text"]
+    records, replayed, python = shared_runs["warmup"]
     assert records == WARMUP_BATCHES
     assert {sig for sig, _ in records} == set(TEXT_SIGNATURES) and {len(t) for _, t in records} == {1, 8}
 
@@ -348,10 +378,8 @@ def test_warmup_requests_are_written_and_replay(serving_check, exported, tmp_pat
             number(predict_pb2.PredictRequest, "inputs"), entry.fields_by_name["key"].number,
             entry.fields_by_name["value"].number) == (6, 1, 1, 3, 2, 1, 2)
 
-    replayed, _ = run_serving_check(serving_check, exported, tmp_path, warmup=True)
     assert [r["label"] for r in replayed] == [f"warmup:{i}" for i in range(len(records))]
     assert [r["signature"] for r in replayed] == [sig for sig, _ in records]
-    python = run_tf1(exported, records, tmp_path)["runs"]
     for got, expected in zip(replayed, python):
         assert "error" not in got, got["error"]
         assert outputs(got) == tf1_outputs(expected)
