@@ -87,17 +87,17 @@ def main(argv=None):
     layers = feed_forward_layers(model)
     seen = capture_inputs(layers)
     names = [name for name, _ in layers]
+    # Each layer's real tokens: the source's in the encoder, the target's in the decoder.
+    real = {name: [(source if name.startswith("enc") else target_in) != PAD_ID for (source, target_in), _ in batches]
+            for name in names}
     print(f"{'epoch':>5}  " + "  ".join(f"{n:>10}" for n in names) + "  embedding common share")
     print(f"{'':>5}  " + "  ".join(f"{'active dead':>10}" for _ in names))
     for epoch in epochs:
         model.load_weights(checkpoints[epoch])
         for inputs in seen.values():
             inputs.clear()
-        real = {}
-        for (source, target_in), _ in batches:
-            model((source, target_in), training=False)
-            for name in names:
-                real.setdefault(name, []).append((source if name.startswith("enc") else target_in) != PAD_ID)
+        for inputs, _ in batches:
+            model(inputs, training=False)
         cells = []
         for name, ff in layers:
             share, dead = activity(ff, seen[name], real[name])
