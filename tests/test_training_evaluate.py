@@ -1,5 +1,7 @@
 """Evaluation (sacreBLEU), decoding a trained model, checkpoint averaging."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -110,20 +112,25 @@ def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypat
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
-    """A tiny model trained on a slice of Multi30k (in-process): epochs of 8 updates, stopped by --max-updates
-    20 in the middle of the third, with the settings of the commands after training recorded."""
+    """A tiny model trained on a slice of Multi30k (in-process): epochs of 8 updates and no epoch limit
+    ("epochs": null), stopped by --max-updates 20 in the middle of the third, with the settings of the commands
+    after training recorded. What it printed is in train.log beside the run."""
     from training.config import resolve_config
     from training.fit import train
 
     d = tmp_path_factory.mktemp("eval")
     src = _write(d / "train.en", _lines("train.en", 400))
     tgt = _write(d / "train.de", _lines("train.de", 400))
-    cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(d / "run"),
-                          "--vocab-size", "400", "--tokens-per-batch", "500", "--max-length", "40",
-                          "--epochs", "5", "--steps-per-epoch", "8", "--max-updates", "20", "--warmup-steps", "20",
-                          "--average-last", "2", "--beam-size", "3", "--alpha", "0.8",
-                          "--no-validation", "--verbose", "0"])
-    train(cfg)
+    (d / "config.json").write_text(json.dumps({"epochs": None}))
+    cfg = resolve_config(["--config", str(d / "config.json"), "--preset", "tiny", "--train-files", str(src),
+                          str(tgt), "--model-dir", str(d / "run"), "--vocab-size", "400", "--tokens-per-batch", "500",
+                          "--max-length", "40", "--steps-per-epoch", "8", "--max-updates", "20",
+                          "--warmup-steps", "20", "--average-last", "2", "--beam-size", "3", "--alpha", "0.8",
+                          "--no-validation", "--verbose", "2"])
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        train(cfg)
+    (d / "run" / "train.log").write_text(log.getvalue())
     return d / "run"
 
 
@@ -150,6 +157,15 @@ def test_max_updates_stops_in_the_middle_of_an_epoch_and_records_the_batches(tra
     batches = cfg["batches"]
     assert 0 < batches["target_tokens"] <= batches["padded_target_tokens"] <= 500  # --tokens-per-batch
     assert batches["target_tokens_per_update"] == round(batches["target_tokens"])
+
+
+def test_a_run_with_no_epoch_limit_prints_its_epochs_against_the_update_budget(trained_dir):
+    """"epochs": null gives fit() a stand-in epoch count that is never reached; the progress lines name the
+    update budget instead of that count."""
+    log = (trained_dir / "train.log").read_text()
+    assert [line for line in log.splitlines() if line.startswith("Epoch")] == [
+        f"Epoch {n} (to update 20)" for n in (1, 2, 3)]
+    assert "/1000000" not in log and "[kt-train] epoch 3 (update 20/20) done" in log
 
 
 def test_evaluate_decodes_like_direct_decoding(trained_dir, tmp_path, capsys):

@@ -31,7 +31,7 @@ from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from training.keras_internals import build_fit_state_now, rank1_step_logs
+from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, rank1_step_logs
 from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
 
@@ -258,6 +258,8 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     if cfg.get("max_updates"):
         updates = UpdateBudget(cfg["max_updates"])
         callbacks.append(updates)
+        if not cfg["epochs"]:
+            callbacks.append(UpdateBoundProgbar(cfg["max_updates"]))
     budget = None
     if cfg.get("max_minutes"):
         if num_workers > 1:

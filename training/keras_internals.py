@@ -114,3 +114,28 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
 
     def save_backup(self):
         super()._save_model()
+
+
+class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar for a run bounded by updates alone: "Epoch 2 (to update 8,060)", not "Epoch 2/1000000".
+
+    fit() needs an epoch count, and such a run gives it a stand-in that is never
+    reached (`training.fit.NO_EPOCH_LIMIT`). Keras 3.15's `ProgbarLogger`
+    prints its "Epoch N/M" line only when its `epochs` attribute (set from fit's
+    epochs in `set_params`) is above 1, and reads that attribute for nothing
+    else; this sets it to 1 and prints its own line. Passed to fit() among the
+    callbacks, it takes the place of the progress bar Keras would add.
+    """
+
+    def __init__(self, max_updates: int):
+        super().__init__()
+        self.max_updates = max_updates
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.epochs = 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        if self.verbose:
+            print(f"Epoch {epoch + 1} (to update {self.max_updates:,})", flush=True)
