@@ -149,6 +149,11 @@ def warmup_records(saved_model):
     return records
 
 
+def _signature_texts():
+    """The texts of the sample/prefix/score/align test: 10 Multi30k sentences and the hostile inputs."""
+    return multi30k_lines("test_2016_flickr.en", 10) + HOSTILE
+
+
 def _shared_parts():
     """{test: (its requests to the C++ loader, those of them the TF1 session answers too)}, for `shared_runs`."""
     sentences = multi30k_lines("test_2016_flickr.en", 50)
@@ -164,14 +169,17 @@ def _shared_parts():
     s0, s1 = sentences[:2]
     blank = ["", " ", "\t\n", "\u00a0\u3000"]  # the tokenizer's normalization turns Unicode spaces to spaces
     blanks = [(sig, batch) for sig in TEXT_SIGNATURES for batch in ([blank[0], s0, *blank[1:], s1], [s0], [s1], blank)]
+    # The sample/prefix test's score targets: serving_default's translations of its texts (TF1 session only).
+    targets = [("serving_default", _signature_texts())]
     return {"serve": (serve, serve), "empty": (empty, empty),
-            "refused": (refused[:1] + served + refused[1:] + served, served), "blank": (blanks, [])}
+            "refused": (refused[:1] + served + refused[1:] + served, served), "blank": (blanks, []),
+            "targets": ([], targets)}
 
 
 @pytest.fixture(scope="module")
 def shared_runs(serving_check, exported, tmp_path_factory):
     """One serving_check run and one TF1 session run that answer the requests of the tests below that need no
-    request threads, as {test: (requests, C++ runs, TF1 runs of its Python requests)}, and "warmup": (records,
+    request threads (and, in the TF1 run alone, the sample/prefix test's score targets), as {test: (requests, C++ runs, TF1 runs of its Python requests)}, and "warmup": (records,
     their C++ replays, their TF1 runs). The C++ loader replays the warm-up records, then runs every test's
     requests in turn in one session, as TF Serving's one session answers whatever arrives. Why shared: each
     loader's start and load of the export takes longer than most of these tests' requests."""
@@ -225,19 +233,20 @@ def sampling_inputs(n):
             "top_k": [(0, 1, 5)[i // 3 % 3] for i in range(n)]}
 
 
-def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_check, exported, tmp_path):
+def test_cpp_loader_serves_the_sample_prefix_score_and_align_signatures(serving_check, exported, shared_runs,
+                                                                        tmp_path):
     """The signatures with more inputs than text (sample: seed int64, temperature float32, top_k int32; prefix,
     greedy_prefix and score: a second string) and with 2-D int32 and string outputs (align): the C++ loader, fed
     every input with the dtype its signature declares, answers byte for byte as the TF1 Python session does, every
     output compared, on 10 Multi30k sentences with the hostile inputs (and on an empty batch: sample and prefix
     here, score and align in the next test); none fails; each output has its documented shape; and run again from
     2 threads at once, every answer is the same."""
-    texts = multi30k_lines("test_2016_flickr.en", 10) + HOSTILE
+    texts = _signature_texts()
     n = len(texts)
     german = multi30k_lines("test_2016_flickr.de", 10)
     prefixes = ["", "Ein Hund", "Eine Frau", "", "Zwei Männer", "Ein", "", "Ein kleines Mädchen", "Ein Mann", ""]
     prefixes += ["Ein Hund", "", "Eine", b"Ein \xff", "", "Zwei", "Ein", ""]  # one with invalid UTF-8 (replaced)
-    best = run_tf1(exported, [("serving_default", texts)], tmp_path)["runs"][0]
+    _, _, (best,) = shared_runs["targets"]  # serving_default on `texts`, in the shared TF1 session run
     best_translations = [base64.b64decode(t) for t in best["translation"]]  # bytes: hostile rows too
     requests = [
         ("sample", texts, sampling_inputs(n)),
