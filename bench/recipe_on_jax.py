@@ -105,9 +105,12 @@ def train(args):
     keras.mixed_precision.set_global_policy(args.policy)
     keras.utils.set_random_seed(cfg["seed"])
     model = kt.Transformer.from_config(config["model_config"])
+    # What `training.fit.compile_model` builds, which cannot be imported here: training/fit.py imports
+    # TensorFlow, and the JAX virtualenv has none. (XLA needs no jit_compile setting on JAX.)
+    options = {"gradient_accumulation_steps": cfg["grad_accum"] if (cfg["grad_accum"] or 1) > 1 else None,
+               "epsilon": cfg.get("adam_epsilon"), "global_clipnorm": cfg.get("global_clipnorm")}
     optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"], scale=cfg["learning_rate_scale"],
-                              **({"epsilon": cfg["adam_epsilon"]} if cfg.get("adam_epsilon") else {}),
-                              **({"global_clipnorm": cfg["global_clipnorm"]} if cfg.get("global_clipnorm") else {}))
+                              **{name: value for name, value in options.items() if value is not None})
     loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"])
     model.compile(optimizer=optimizer, loss=loss, metrics=[kt.MaskedAccuracy()])
     val = Batches(load_batches(batches / "val.npz"))

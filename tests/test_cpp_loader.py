@@ -182,8 +182,8 @@ def shared_runs(serving_check, exported, tmp_path_factory):
     request threads (and, in the TF1 run alone, the sample/prefix test's score targets), as {test: (requests,
     C++ runs, TF1 runs of its Python requests)}, and "warmup": (records, their C++ replays, their TF1 runs).
     The C++ loader replays the warm-up records, then runs every test's requests in turn in one session, as TF
-    Serving's one session answers whatever arrives. Why shared: each
-    loader's start and load of the export takes longer than most of these tests' requests."""
+    Serving's one session answers whatever arrives. Why shared: each loader's start and load of the export takes
+    longer than most of these tests' requests."""
     tmp = tmp_path_factory.mktemp("cpp-shared")
     parts, records = _shared_parts(), warmup_records(exported)
     requests = [r for cpp_requests, _ in parts.values() for r in cpp_requests]
