@@ -1,10 +1,10 @@
 """A kt-train recipe's first epochs on Keras' JAX backend, from the TensorFlow pipeline's own batches (not a test).
 
-Why: `configs/multi30k-best.json` loses its encoder's feed-forward units within
-about 1,400 updates under kt-train (TensorFlow) on CPU, in float32 and in
+Why: `configs/multi30k-best.json` loses its encoder's feed-forward units early
+in its warm-up under kt-train (TensorFlow) on CPU, in float32 and in
 mixed_bfloat16, with every seed tried, while the issue's GPU run of the same
-recipe with this library, on JAX, scored 40.74 (issue 41; docs/benchmarks-log.md,
-"The best recipe's feed-forward layers die"). This trains the run's model
+recipe with this library, on JAX, reached the anchor's BLEU (issue 41; the
+figures are in docs/benchmarks-log.md, "The best recipe's feed-forward layers die"). This trains the run's model
 (its config.json), optimizer, loss and batches on JAX instead, so that the two
 backends can be compared over a run at the recipe's batch size, not only over a
 few steps. Two steps, because the JAX virtualenv has no TensorFlow:
