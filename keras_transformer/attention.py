@@ -272,9 +272,17 @@ def masked_softmax(scores, mask):
     As Keras' Softmax does: `MASKED_SCORE` before, and exact zeros after, so
     that a row with nothing to attend to gets zero weights, not uniform ones.
     """
-    if mask is None:
+    if scores.shape[-1] == 1:
+        # One key (the first step of a cached decode, a one-token source): its weight is 1.
+        # keras.ops.softmax would warn at every such call that a softmax over one position "is
+        # likely not what you intended", which here it is; its gradient is zero either way.
+        weights = ops.ones_like(scores)
+    elif mask is None:
         return ops.softmax(scores, axis=-1)
-    weights = ops.softmax(ops.where(mask, scores, ops.cast(MASKED_SCORE, scores.dtype)), axis=-1)
+    else:
+        weights = ops.softmax(ops.where(mask, scores, ops.cast(MASKED_SCORE, scores.dtype)), axis=-1)
+    if mask is None:
+        return weights
     return ops.where(mask, weights, ops.zeros_like(weights))
 
 

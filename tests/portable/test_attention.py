@@ -118,3 +118,16 @@ def test_explicit_query_mask_gives_masked_queries_no_attention(inputs):
     weight_per_query = to_numpy(ops.sum(scores, axis=-1))  # [batch, heads, query_len]
     expected = np.broadcast_to(to_numpy(query_mask)[:, None, :], weight_per_query.shape).astype("float32")
     np.testing.assert_allclose(weight_per_query, expected, atol=1e-6)
+
+
+def test_attention_over_one_key_weighs_it_1_without_a_warning(inputs, recwarn):
+    # The first step of a cached decode attends to one key: Keras' softmax warned at each such call.
+    query, memory, memory_mask = inputs
+    layer = kt.MultiHeadAttention(4, 8)
+    one_key_mask = ops.convert_to_tensor(np.array([[True], [False], [True]]))
+    out, scores = layer(query, memory[:, :1], value_mask=one_key_mask, return_attention_scores=True)
+    assert not [w for w in recwarn if "softmax" in str(w.message)], [str(w.message) for w in recwarn]
+    expected = np.broadcast_to(to_numpy(one_key_mask)[:, None, None, :], scores.shape).astype("float32")
+    np.testing.assert_array_equal(to_numpy(scores), expected)
+    # A key of weight 1 contributes its whole value: the output is the projected value, at every query.
+    np.testing.assert_allclose(to_numpy(out)[0], np.broadcast_to(to_numpy(out)[0, :1], out.shape[1:]), atol=1e-6)
