@@ -155,6 +155,26 @@ def test_time_budget_stops_after_a_whole_epoch(tmp_path):
 
 
 @needs_multi30k
+def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
+    from training.errors import ConfigError
+    from training.fit import train
+
+    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
+    for lang, p in (("en", src), ("de", tgt)):
+        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
+            "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
+            "--verbose", "0"]
+    train(resolve_config(args + ["--epochs", "1"]))
+    finished = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    # Its backup is gone, so a second run would start at epoch 1 over the first one's files.
+    with pytest.raises(ConfigError, match=r"holds a finished run .*--init-from"):
+        train(resolve_config(args + ["--epochs", "2"]))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == finished
+
+
+@needs_multi30k
 def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
     import warnings
 

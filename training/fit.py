@@ -158,6 +158,13 @@ def train(cfg: dict, strategy=None) -> dict:
     # Non-chief workers write their (identical) checkpoints/backups/logs aside.
     out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if (model_dir / MODEL_FILENAME).exists() and not (out_dir / "backup").exists():
+        # A finished run deletes its backup, so this run would start from epoch 1 and overwrite the
+        # finished run's checkpoints, history and model one by one.
+        raise ConfigError(
+            f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}), and training into it would start "
+            f"over at epoch 1, overwriting its checkpoints. To train that model further, pass --init-from "
+            f"{model_dir} with another --model-dir; to start over, delete {model_dir} or pick another --model-dir.")
     keras.utils.set_random_seed(cfg["seed"])
     if cfg.get("init_from"):
         # Fine-tuning reuses the vocabulary and architecture of the model it starts from.
