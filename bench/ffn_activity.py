@@ -16,6 +16,7 @@ change of recipe avoids it (docs/benchmarks-log.md, "The best recipe's
 feed-forward layers die").
 
     .venv/bin/python bench/ffn_activity.py --model-dir runs/multi30k-best-en-de --epochs 1 5 12 20 60
+    .venv/bin/python bench/ffn_activity.py --model-dir runs/multi30k-best-en-de --epochs 4 12 20 --parts
 """
 
 from __future__ import annotations
@@ -64,11 +65,27 @@ def activity(ff, inputs, real):
     return float(on.mean()), int((~on.any(axis=0)).sum())
 
 
+def pre_activation_parts(ff, inputs, real):
+    """Where a layer's inner pre-activations x W_1 + b_1 sit, over real tokens: (their mean, the bias'
+    share b_1, the mean input's share mean(x) W_1, the mean cosine between a unit's column of W_1 and
+    -mean(x)). A unit whose column points away from the input every token shares is off on most tokens."""
+    kernel = keras.ops.convert_to_numpy(ff.inner.kernel)
+    bias = keras.ops.convert_to_numpy(ff.inner.bias)
+    x = np.concatenate([xi[m] for xi, m in zip(inputs, real)])
+    mean_x = x.mean(axis=0)
+    away = -mean_x / np.linalg.norm(mean_x)
+    cosines = (away @ kernel) / np.linalg.norm(kernel, axis=0)
+    return float((x @ kernel + bias).mean()), float(bias.mean()), float((mean_x @ kernel).mean()), float(cosines.mean())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", required=True, help="a kt-train run (config.json, tokenizer.model, checkpoints/)")
     p.add_argument("--epochs", type=int, nargs="*", help="epochs to read (default: every checkpoint)")
     p.add_argument("--batches", type=int, default=2, help="validation batches of 4,096 tokens to run (default 2)")
+    p.add_argument("--parts", action="store_true",
+                   help="also print, per layer, the mean inner pre-activation and its parts (bias, mean input) "
+                        "and the mean cosine between the units' W_1 columns and minus the mean input")
     args = p.parse_args(argv)
     run = Path(args.model_dir)
     config = json.loads((run / "config.json").read_text())
@@ -106,6 +123,12 @@ def main(argv=None):
         e = keras.ops.convert_to_numpy(table)
         common = np.linalg.norm(e.mean(axis=0)) / np.linalg.norm(e, axis=1).mean()
         print(f"{epoch:>5}  " + "  ".join(f"{c:>10}" for c in cells) + f"  {common:.2f}", flush=True)
+        if args.parts:
+            for name, ff in layers:
+                mean, from_bias, from_mean_input, cosine = pre_activation_parts(ff, seen[name], real[name])
+                print(f"{'':>5}  {name}: pre-activation {mean:+.2f} = bias {from_bias:+.2f} + mean input "
+                      f"{from_mean_input:+.2f}; cos(W_1 column, -mean input) {cosine:+.2f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
