@@ -92,6 +92,18 @@ def test_evaluate_prints_the_multi30k_protocol_bleu(tmp_path, capsys):
     assert "Multi30k protocol" not in capsys.readouterr().out
 
 
+def test_the_multi30k_protocol_scores_tokenised_lines_without_sacrebleus_detokenize_warning(caplog):
+    """Its lines are Moses-tokenised on purpose; sacreBLEU warns of "forgot to detokenize" from 100 lines
+    ending in " ." unless told."""
+    from training.evaluate import multi30k_protocol_bleu
+
+    refs = _lines("test_2016_flickr.de", 300)
+    with caplog.at_level("WARNING", logger="sacrebleu"):
+        score, signature = multi30k_protocol_bleu(_perturb(refs), refs, "de")
+    assert not [r.getMessage() for r in caplog.records if r.name == "sacrebleu"]
+    assert 0 < score.score < 100 and "tok:none" in str(signature)
+
+
 def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypatch):
     """Windows line ends are line ends: no '\\r' is fed to sacreBLEU (sacreBLEU's own tokenizer happens to
     hide it today, so this checks what evaluate passes on)."""

@@ -60,7 +60,9 @@ def moses_tokenised(lines: list[str], lang: str) -> list[str]:
 
 def multi30k_protocol_bleu(hypotheses: list[str], references: list[str], lang: str):
     """Corpus BLEU of the Multi30k protocol (`MULTI30K_PROTOCOL`): `(sacrebleu BLEUScore, its signature)`."""
-    bleu = BLEU(tokenize="none")
+    # force: these lines are tokenised on purpose (the protocol's), which sacreBLEU would otherwise warn
+    # about at every evaluation ("It looks like you forgot to detokenize your test data").
+    bleu = BLEU(tokenize="none", force=True)
     tokenised = bleu.corpus_score(moses_tokenised(hypotheses, lang), [moses_tokenised(references, lang)])
     return tokenised, bleu.get_signature()
 
