@@ -68,14 +68,16 @@ def activity(ff, inputs, real):
 def pre_activation_parts(ff, inputs, real):
     """Where a layer's inner pre-activations x W_1 + b_1 sit, over real tokens: (their mean, the bias'
     share b_1, the mean input's share mean(x) W_1, the mean cosine between a unit's column of W_1 and
-    -mean(x)). A unit whose column points away from the input every token shares is off on most tokens."""
+    -mean(x), |mean(x)|). A unit whose column points away from the input every token shares is off on most
+    tokens."""
     kernel = keras.ops.convert_to_numpy(ff.inner.kernel)
     bias = keras.ops.convert_to_numpy(ff.inner.bias)
     x = np.concatenate([xi[m] for xi, m in zip(inputs, real)])
     mean_x = x.mean(axis=0)
     away = -mean_x / np.linalg.norm(mean_x)
     cosines = (away @ kernel) / np.linalg.norm(kernel, axis=0)
-    return float((x @ kernel + bias).mean()), float(bias.mean()), float((mean_x @ kernel).mean()), float(cosines.mean())
+    return (float((x @ kernel + bias).mean()), float(bias.mean()), float((mean_x @ kernel).mean()),
+            float(cosines.mean()), float(np.linalg.norm(mean_x)))
 
 
 def main(argv=None):
@@ -125,9 +127,9 @@ def main(argv=None):
         print(f"{epoch:>5}  " + "  ".join(f"{c:>10}" for c in cells) + f"  {common:.2f}", flush=True)
         if args.parts:
             for name, ff in layers:
-                mean, from_bias, from_mean_input, cosine = pre_activation_parts(ff, seen[name], real[name])
+                mean, from_bias, from_mean_input, cosine, norm = pre_activation_parts(ff, seen[name], real[name])
                 print(f"{'':>5}  {name}: pre-activation {mean:+.2f} = bias {from_bias:+.2f} + mean input "
-                      f"{from_mean_input:+.2f}; cos(W_1 column, -mean input) {cosine:+.2f}",
+                      f"{from_mean_input:+.2f}; |mean input| {norm:.1f}; cos(W_1 column, -mean input) {cosine:+.2f}",
                       flush=True)
 
 
