@@ -278,12 +278,10 @@ def masked_softmax(scores, mask):
         # likely not what you intended", which here it is; its gradient is zero either way.
         weights = ops.ones_like(scores)
     elif mask is None:
-        return ops.softmax(scores, axis=-1)
+        weights = ops.softmax(scores, axis=-1)
     else:
         weights = ops.softmax(ops.where(mask, scores, ops.cast(MASKED_SCORE, scores.dtype)), axis=-1)
-    if mask is None:
-        return weights
-    return ops.where(mask, weights, ops.zeros_like(weights))
+    return weights if mask is None else ops.where(mask, weights, ops.zeros_like(weights))
 
 
 def _project(x, dense):
