@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import MULTI30K, REPO, SUBPROCESS_ENV, needs_multi30k
+from conftest import MULTI30K, REPO, SUBPROCESS_ENV, multi30k_lines, needs_multi30k, write_lines
 from training import ONEDNN_ENV
 from training.config import DEFAULTS, resolve_config
 
@@ -96,9 +96,7 @@ def test_mixed_precision_training(tmp_path):
     import keras_transformer  # noqa: F401
     from training.fit import train
 
-    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
-    for lang, p in (("en", src), ("de", tgt)):
-        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:300]) + "\n")
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 300)) for lang in ("en", "de"))
     cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(tmp_path / "run"),
                           "--vocab-size", "500", "--tokens-per-batch", "400", "--max-length", "40", "--epochs", "1",
                           "--steps-per-epoch", "4", "--warmup-steps", "10", "--mixed-precision", "--no-validation",
@@ -137,9 +135,7 @@ def test_shipped_multi30k_recipe_is_defined_by_work_not_wall_time():
 def test_time_budget_stops_after_a_whole_epoch(tmp_path):
     from training.fit import train
 
-    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
-    for lang, p in (("en", src), ("de", tgt)):
-        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     common = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
               "--tokens-per-batch", "400", "--epochs", "3", "--steps-per-epoch", "2", "--warmup-steps", "10",
               "--no-validation", "--verbose", "0"]
@@ -159,9 +155,7 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
     from training.errors import ConfigError
     from training.fit import train
 
-    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
-    for lang, p in (("en", src), ("de", tgt)):
-        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     run = tmp_path / "run"
     args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
             "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
@@ -180,9 +174,7 @@ def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
 
     from training.fit import train
 
-    src, tgt = tmp_path / "s.en", tmp_path / "s.de"
-    for lang, p in (("en", src), ("de", tgt)):
-        p.write_text("\n".join((MULTI30K / f"train.{lang}").read_text(encoding="utf-8").split("\n")[:200]) + "\n")
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
                           "--tokens-per-batch", "600", "--epochs", "2", "--warmup-steps", "10", "--no-validation",
                           "--verbose", "0", "--model-dir", str(tmp_path / "run")])
