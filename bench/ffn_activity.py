@@ -57,26 +57,31 @@ def capture_inputs(layers):
     return seen
 
 
-def activity(ff, inputs, real):
+class InnerLayer:
+    """A feed-forward layer's inner weights, and its inputs and pre-activations x W_1 + b_1 over real tokens:
+    `x` `[tokens, d_model]`, `pre` `[tokens, d_ff]`."""
+
+    def __init__(self, ff, inputs, real):
+        self.kernel = keras.ops.convert_to_numpy(ff.inner.kernel)
+        self.bias = keras.ops.convert_to_numpy(ff.inner.bias)
+        self.x = np.concatenate([x[m] for x, m in zip(inputs, real)])
+        self.pre = self.x @ self.kernel + self.bias
+
+
+def activity(inner):
     """(share of positive inner units over real tokens, units positive on no real token)."""
-    kernel = keras.ops.convert_to_numpy(ff.inner.kernel)
-    bias = keras.ops.convert_to_numpy(ff.inner.bias)
-    on = np.concatenate([(x[m] @ kernel + bias) > 0 for x, m in zip(inputs, real)])
+    on = inner.pre > 0
     return float(on.mean()), int((~on.any(axis=0)).sum())
 
 
-def pre_activation_parts(ff, inputs, real):
-    """Where a layer's inner pre-activations x W_1 + b_1 sit, over real tokens: (their mean, the bias'
-    share b_1, the mean input's share mean(x) W_1, the mean cosine between a unit's column of W_1 and
-    -mean(x), |mean(x)|). A unit whose column points away from the input every token shares is off on most
-    tokens."""
-    kernel = keras.ops.convert_to_numpy(ff.inner.kernel)
-    bias = keras.ops.convert_to_numpy(ff.inner.bias)
-    x = np.concatenate([xi[m] for xi, m in zip(inputs, real)])
-    mean_x = x.mean(axis=0)
+def pre_activation_parts(inner):
+    """Where a layer's inner pre-activations sit, over real tokens: (their mean, the bias' share b_1, the
+    mean input's share mean(x) W_1, the mean cosine between a unit's column of W_1 and -mean(x), |mean(x)|).
+    A unit whose column points away from the input every token shares is off on most tokens."""
+    mean_x = inner.x.mean(axis=0)
     away = -mean_x / np.linalg.norm(mean_x)
-    cosines = (away @ kernel) / np.linalg.norm(kernel, axis=0)
-    return (float((x @ kernel + bias).mean()), float(bias.mean()), float((mean_x @ kernel).mean()),
+    cosines = (away @ inner.kernel) / np.linalg.norm(inner.kernel, axis=0)
+    return (float(inner.pre.mean()), float(inner.bias.mean()), float((mean_x @ inner.kernel).mean()),
             float(cosines.mean()), float(np.linalg.norm(mean_x)))
 
 
@@ -117,17 +122,18 @@ def main(argv=None):
             inputs.clear()
         for inputs, _ in batches:
             model(inputs, training=False)
+        inners = {name: InnerLayer(ff, seen[name], real[name]) for name, ff in layers}
         cells = []
-        for name, ff in layers:
-            share, dead = activity(ff, seen[name], real[name])
+        for name in names:
+            share, dead = activity(inners[name])
             cells.append(f"{share:6.2f} {dead:3d}")
         table = (model.source_embedding or model.target_embedding).token_embedding.embeddings
         e = keras.ops.convert_to_numpy(table)
         common = np.linalg.norm(e.mean(axis=0)) / np.linalg.norm(e, axis=1).mean()
         print(f"{epoch:>5}  " + "  ".join(f"{c:>10}" for c in cells) + f"  {common:.2f}", flush=True)
         if args.parts:
-            for name, ff in layers:
-                mean, from_bias, from_mean_input, cosine, norm = pre_activation_parts(ff, seen[name], real[name])
+            for name in names:
+                mean, from_bias, from_mean_input, cosine, norm = pre_activation_parts(inners[name])
                 print(f"{'':>5}  {name}: pre-activation {mean:+.2f} = bias {from_bias:+.2f} + mean input "
                       f"{from_mean_input:+.2f}; |mean input| {norm:.1f}; cos(W_1 column, -mean input) {cosine:+.2f}",
                       flush=True)
