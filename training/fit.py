@@ -158,8 +158,7 @@ def train(cfg: dict, strategy=None) -> dict:
     # Non-chief workers write their (identical) checkpoints/backups/logs aside.
     out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    backup_dir = out_dir / "backup"
-    if (model_dir / MODEL_FILENAME).exists() and not backup_dir.exists():
+    if (model_dir / MODEL_FILENAME).exists() and not (out_dir / "backup").exists():
         # A finished run deletes its backup, so this run would start from epoch 1 and overwrite the
         # finished run's checkpoints, history and model one by one.
         raise ConfigError(
@@ -241,6 +240,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
           f"{shape}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
           flush=True)
 
+    backup_dir = out_dir / "backup"
     backup = ResumableBackup(backup_dir, cfg["backup_every"] or "epoch", num_workers=num_workers)
     initial_val_loss = None
     if init is not None and val_ds is not None and not backup_dir.exists():
