@@ -11,8 +11,11 @@ project dependency (`make bench-venv`, or
     .venv-bench/bin/python bench/ctranslate2_side_by_side.py convert --model-dir runs/en-de \\
         --model-file runs/en-de/averaged.keras --output-dir /tmp/ct2/ct2-en-de
     # 3. Greedy identity, sacreBLEU and speed on the 1,000 sentences of test_2016_flickr.
-    .venv-bench/bin/python bench/ctranslate2_side_by_side.py compare --saved-model /tmp/ct2/ours32/translator/1 \\
-        --ct2-model /tmp/ct2/ct2-en-de --repeats 3 --json runs/bench/ctranslate2.json --outputs runs/bench/ct2-outputs
+    #    Each system in its own process: ours on the threads kt-export printed, CTranslate2 in every layout.
+    .venv-bench/bin/python bench/ctranslate2_side_by_side.py compare \\
+        --saved-model /tmp/ct2/ours32/translator/1@2x1 --ct2-model /tmp/ct2/ct2-en-de \\
+        --ct2 float32:1x2 --ct2 float32:2x1 --ct2 int8:1x2 --ct2 int8:2x1 \\
+        --repeats 3 --json runs/bench/ctranslate2.json --outputs runs/bench/ct2-outputs
 
 convert: builds a `ctranslate2.specs.TransformerSpec` from the Keras model
 (post-norm or pre-norm as trained, ReLU, embeddings x sqrt(d_model), the
@@ -31,30 +34,42 @@ model in float32 score the references of `--check-sentences` test sentences
 (teacher forcing); the per-token log-probabilities must agree to
 `--tolerance`, and the tokens must be ours (target pieces + </s>).
 
-compare: the source sentences are translated by batches of similar length
-(`export.translate.translate_lines`, as kt-translate and
-bench/served_speed.py batch them), text in, text out:
+compare: each system runs alone in its own process (bench/translate_worker.py:
+our export with its TensorFlow thread pools, or one CTranslate2 setting, with
+no other framework loaded), and they take turns: the driver hands the same
+batches to one worker at a time and the worker times them itself. The source
+sentences are translated by batches of similar length (as
+`export.translate.translate_lines`, kt-translate and bench/served_speed.py
+batch them), text in, text out:
   - ours: the SavedModel's text signatures `greedy` and `serving_default`
     (beam search, with the beam size and alpha it was exported with),
     tokenization and detokenization in the graph;
-  - CTranslate2: `Translator(device="cpu", compute_type="float32",
-    intra_threads=--threads, inter_threads=1).translate_batch` on sentencepiece
-    pieces, tokenization and detokenization (Python sentencepiece, same
-    model) inside the timed section.
+  - CTranslate2: `Translator(device="cpu", compute_type, inter_threads,
+    intra_threads).translate_batch` on sentencepiece pieces, tokenization and
+    detokenization (Python sentencepiece, same model) inside the timed section.
 Same batches, beam sizes (1 and 4), source limit (`max_length` tokens, </s>
 included) and output limit: ours stops each sentence at its source length +
 50 tokens, the end token included; CTranslate2 takes one limit per batch,
 without the end token, so it gets (longest source in the batch + 50) - 1: a
 sentence that runs on to its limit can come out longer from CTranslate2.
 Pad is never output (ours bans it; CTranslate2: `suppress_sequences`), and
-the end token may come first (`min_decoding_length=0`). TensorFlow runs with
-`--threads` intra-op threads (inter-op: TensorFlow's default), or with
-`--tf-inter-op-threads N --tf-intra-op-threads M`: an export with N parallel
-decoding loops (`kt-export --parallel-loops N`) runs its loops on N inter-op
-threads of 1 intra-op thread each, N threads in all, as CTranslate2's
-`intra_threads=N`. CTranslate2 can split a batch the same way:
-`--ct2-inter-threads N --threads 1 --ct2-max-batch-size B` runs chunks of B
-sentences on N threads of 1.
+the end token may come first (`min_decoding_length=0`).
+
+Thread layouts. Ours: `--saved-model PATH@NxM` serves PATH on N inter-op
+threads of M intra-op threads (TF Serving's --tensorflow_inter_op_parallelism
+and --tensorflow_intra_op_parallelism); an export with N parallel decoding
+loops (`kt-export --parallel-loops N`, what it prints) runs its loops on N
+inter-op threads of 1 intra-op thread each. Repeat `--saved-model` for other
+exports or layouts (`NAME=PATH@NxM` names a row). CTranslate2: `--ct2
+COMPUTE_TYPE:WORKERSxTHREADS`, repeated: `--ct2 float32:1x2 --ct2 float32:2x1
+--ct2 int8:1x2 --ct2 int8:2x1` (with 2 workers each batch is split in two
+halves that run at once). Each row gives every system's speed and each of
+ours over the fastest setting of each compute type (issue 43, item 2).
+CTranslate2 picks its matrix-product backend once per process: MKL on a
+GenuineIntel CPU, oneDNN elsewhere, or oneDNN everywhere with `CT2_USE_MKL=0`.
+Run the comparison both ways on an Intel CPU: the fastest thread layout can
+differ between the two (docs/benchmarks-log.md, "On the Intel Xeon with AMX,
+int8 and float32").
 
 Length penalty: ours is ((5 + |y|) / 6)^alpha with |y| counting the end
 token, CTranslate2's |y|^lp without it. No lp gives ours exactly; by default
@@ -64,20 +79,9 @@ little; greedy ones must be identical (>= 95%). CTranslate2's greedy search
 computes no scores (`return_scores=False`; ours reports one).
 
 Batch 64 runs the first `--limit` sentences (all 1,000), batch 1 the first
-`--batch1-limit` (200). Every configuration is warmed up, then the repeats
-alternate ours / CTranslate2 and the median is reported, with the ratio of
-speeds ours / CTranslate2.
-
-Several CTranslate2 settings alternate with ours in one run with `--ct2`,
-repeated: `--ct2 float32:1x2 --ct2 float32:2x1 --ct2 int8:1x2 --ct2 int8:2x1`
-(compute type, workers x threads per worker; with 2 workers each batch is
-split in two halves that run at once). Each row then also gives ours over
-the fastest setting of each compute type (issue 27, item 2). CTranslate2
-picks its matrix-product backend once per process: MKL on a GenuineIntel
-CPU, oneDNN elsewhere, or oneDNN everywhere with `CT2_USE_MKL=0`. Run the
-comparison both ways on an Intel CPU: the fastest thread layout can differ
-between the two (docs/benchmarks-log.md, "On the Intel Xeon with AMX, int8 and
-float32").
+`--batch1-limit` (200). Every system is warmed up with one pass, then the
+repeats take turns (ours, CTranslate2 settings, ours, ...) and the median of
+each is reported.
 Identity and sacreBLEU are of the largest batch size (64: all sentences;
 `--outputs DIR` writes both systems' translations). Keep the CPU line (model
 and avx2/avx512*/amx flags) with the figures; CT2_VERBOSE=1 makes CTranslate2
@@ -95,11 +99,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -116,8 +121,9 @@ from ctranslate2.converters import Converter  # noqa: E402
 from ctranslate2.converters.utils import fuse_linear  # noqa: E402
 from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
 
-from bench.served_speed import cpu_line, time_alternating  # noqa: E402
-from export.translate import SavedModelTranslator, resolve_saved_model  # noqa: E402
+from bench.served_speed import cpu_line  # noqa: E402
+from bench.translate_worker import REPLY_PREFIX, parse_layout  # noqa: E402
+from export.translate import resolve_saved_model, translate_lines  # noqa: E402
 from export.engine_weights import engine_model  # noqa: E402
 from export.search import EXTRA_OUTPUT_LENGTH  # noqa: E402
 from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path  # noqa: E402
@@ -131,6 +137,10 @@ SIDECAR_FILENAME = "keras_transformer.json"
 # (beam size, our signature): the SavedModel's serving_default must be exported with --beam-size 4.
 DECODINGS = ((1, "greedy"), (4, "serving_default"))
 GREEDY_IDENTITY_GOAL = 0.95
+WORKER = Path(__file__).resolve().with_name("translate_worker.py")
+# Between two timed calls: CTranslate2's OpenMP threads spin for a while after their last op (Intel OpenMP's
+# KMP_BLOCKTIME), and the next system must not start beside them.
+SETTLE_S = 0.5
 
 
 # ------------------------------------------------------------------ convert
@@ -297,44 +307,6 @@ def run_convert(args) -> int:
 # ------------------------------------------------------------------ compare
 
 
-class CTranslate2Texts:
-    """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
-    -> (translations, scores); scores are None (not computed).
-
-    compute_type: "float32" or "int8" (CTranslate2 quantizes the float32 weights when it loads them, with a
-    scale per output channel). With inter_threads > 1 and max_batch_size 0, each batch is split into
-    inter_threads chunks of equal size that run at once, one per worker."""
-
-    def __init__(self, model_dir, max_source_length, length_penalty, threads, inter_threads=1, max_batch_size=0,
-                 compute_type="float32"):
-        self.sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / TOKENIZER_FILENAME))
-        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
-                                                 intra_threads=threads, inter_threads=inter_threads)
-        self.inter_threads = inter_threads
-        self.max_batch_size = max_batch_size  # 0: split across the workers (or the whole batch with one worker)
-        self.max_source_length = max_source_length
-        self.length_penalty = length_penalty
-        self.pad = self.sp.id_to_piece(PAD_ID)
-
-    def output_limit(self, pieces) -> int:
-        """CTranslate2's max_decoding_length for a batch: our limit for its longest source, minus the end token.
-
-        Ours: source tokens (pieces, truncated, + </s>) + 50, the end token counted; CTranslate2 does not
-        count it (its last step takes any token).
-        """
-        longest = max(min(len(p), self.max_source_length - 1) + 1 for p in pieces)
-        return longest + EXTRA_OUTPUT_LENGTH - 1
-
-    def translate(self, texts, beam_size):
-        pieces = self.sp.encode(list(texts), out_type=str)
-        chunk = self.max_batch_size or -(-len(pieces) // self.inter_threads)
-        results = self.translator.translate_batch(
-            pieces, beam_size=beam_size, length_penalty=self.length_penalty,
-            max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
-            min_decoding_length=0, suppress_sequences=[[self.pad]], max_batch_size=chunk)
-        return self.sp.decode([r.hypotheses[0] for r in results]), [None] * len(texts)
-
-
 def parse_ct2_setting(text):
     """'int8:2x1' -> ("int8", 2, 1): compute type, workers (inter_threads) x threads per worker (intra_threads)."""
     try:
@@ -377,13 +349,77 @@ def write_outputs(directory, outputs):
                 "".join(line + "\n" for line in lines), encoding="utf-8")
 
 
+def parse_ours(text):
+    """'[NAME=]PATH[@INTERxINTRA]' -> (name or None, path, (inter-op, intra-op) threads or None)."""
+    name, _, rest = text.rpartition("=") if "=" in text.split("@")[0] else (None, "", text)
+    path, _, layout = rest.partition("@")
+    try:
+        threads = parse_layout(layout) if layout else None
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"--saved-model {text!r}: {e}") from None
+    return name or None, path, threads
+
+
+def kt_translate_batches(texts, batch_size):
+    """The batches kt-translate makes of `texts` (sorted by length), in its order."""
+    batches = []
+    translate_lines(lambda batch: (batches.append(list(batch)), ([""] * len(batch), [None] * len(batch)))[1],
+                    texts, batch_size)
+    return batches
+
+
+class Worker:
+    """A translator in its own process (bench/translate_worker.py), answering timed requests."""
+
+    def __init__(self, name, argv):
+        self.name = name
+        self.process = subprocess.Popen([sys.executable, str(WORKER), *argv], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, encoding="utf-8")
+        self.description = self._reply()
+
+    def _reply(self):
+        for line in self.process.stdout:
+            if line.startswith(REPLY_PREFIX):
+                return json.loads(line[len(REPLY_PREFIX):])
+        raise RuntimeError(f"{self.name}: the worker ended (exit status {self.process.wait()}); see its stderr above")
+
+    def translate(self, texts, batch_size, beam):
+        """(seconds the worker took, translations in input order) for `texts` in kt-translate's batches."""
+        self.process.stdin.write(json.dumps({"batches": kt_translate_batches(texts, batch_size), "beam": beam}) + "\n")
+        self.process.stdin.flush()
+        answer = self._reply()
+        translations = iter(answer["translations"])
+        texts_out = translate_lines(lambda batch: (next(translations), [None] * len(batch)), texts, batch_size).texts
+        return answer["seconds"], texts_out
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.write("\n")
+            self.process.stdin.close()
+            self.process.wait()
+
+
+def time_workers(workers, texts, batch_size, beam, repeats):
+    """One untimed pass each (its seconds are returned: tracing, first allocations, an XLA decoder's
+    compilations), then `repeats` rounds alternating the workers, each alone on the machine while it runs
+    (the others wait on their pipes; SETTLE_S between calls lets the last one's threads go idle).
+    Returns ({name: seconds of each round}, {name: translations of the last round}, {name: warm-up seconds})."""
+    warm_up = {}
+    for w in workers:
+        warm_up[w.name] = w.translate(texts, batch_size, beam)[0]
+        time.sleep(SETTLE_S)
+    seconds, outputs = {w.name: [] for w in workers}, {}
+    for _ in range(repeats):
+        for w in workers:
+            elapsed, outputs[w.name] = w.translate(texts, batch_size, beam)
+            seconds[w.name].append(elapsed)
+            time.sleep(SETTLE_S)
+    return seconds, outputs, warm_up
+
+
 def run_compare(args) -> int:
     import sacrebleu
 
-    tf.config.threading.set_intra_op_parallelism_threads(args.tf_intra_op_threads or args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.tf_inter_op_threads)
-    tf_threads = (f"TF inter-op threads {args.tf_inter_op_threads or 'default'}, "
-                  f"intra-op {args.tf_intra_op_threads or args.threads}")
     load_at_start = os.getloadavg()
     sidecar = json.loads((Path(args.ct2_model) / SIDECAR_FILENAME).read_text())
     data = Path(args.data_dir)
@@ -395,46 +431,62 @@ def run_compare(args) -> int:
     length_penalty, median_length = matched_length_penalty(args.alpha, references, sp)
     if args.ct2_length_penalty is not None:
         length_penalty = args.ct2_length_penalty
-    if args.ct2:  # NAME -> CTranslate2 setting, e.g. "int8 2x1"
-        settings = {f"ct2 {c} {i}x{t}": (c, i, t, 0) for c, i, t in args.ct2}
-    else:
-        settings = {"ctranslate2": ("float32", args.ct2_inter_threads, args.threads, args.ct2_max_batch_size)}
-    ct2 = {name: CTranslate2Texts(args.ct2_model, max_source_length, length_penalty, intra, inter, chunk, compute)
-           for name, (compute, inter, intra, chunk) in settings.items()}
-    ours = {beam: SavedModelTranslator(args.saved_model, signature) for beam, signature in DECODINGS}
-    same_sources = source_ids_identical(args.saved_model, sources, sp, max_source_length)
-    layouts = "; ".join(f"{name}: compute_type {c}, inter_threads {i}, intra_threads {t}, max_batch_size "
-                        f"{b or 'batch / inter_threads'}" for name, (c, i, t, b) in settings.items())
-    print(f"CPU: {cpu_line()}\nTensorFlow {tf.__version__}, CTranslate2 {ctranslate2.__version__}; "
-          f"{len(sources)} sentences of {args.split}; {layouts}; {tf_threads}; "
-          f"CTranslate2 length penalty "
-          f"{length_penalty:.3f} (ours: alpha {args.alpha}; median reference length {median_length:g} pieces); "
-          f"source ids identical: {same_sources} of {len(sources)}; load average {load_at_start[0]:.2f}", flush=True)
+    default_threads = (args.tf_inter_op_threads, args.tf_intra_op_threads or args.threads)
+    ours = []  # (name, path, (inter-op, intra-op))
+    for name, path, threads in args.saved_model:
+        threads = threads or default_threads
+        ours.append((name or ("ours" if len(args.saved_model) == 1 else f"ours {threads[0]}x{threads[1]}"),
+                     path, threads))
+    settings = {f"ct2 {c} {i}x{t}": (c, i, t) for c, i, t in (args.ct2 or [("float32", 1, args.threads)])}
+    names = [name for name, _, _ in ours] + list(settings)
+    if len(set(names)) != len(names):
+        raise SystemExit(f"compare: two systems named alike ({', '.join(names)}): name them, --saved-model NAME=PATH")
+    same_sources = source_ids_identical(ours[0][1], sources, sp, max_source_length)
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    results, outputs = [], {}
-    for beam in ours:
-        for batch_size in batch_sizes:
-            texts = sources[:args.batch1_limit] if batch_size == 1 else sources
-            fns = {"ours": ours[beam],
-                   **{name: functools.partial(c.translate, beam_size=beam) for name, c in ct2.items()}}
-            warm_up = {}  # one full pass each: an export with --xla-max-batch compiles once per input shape
-            seconds, outputs[(beam, batch_size)] = time_alternating(fns, texts, batch_size, args.repeats, warm_up)
-            medians = {name: statistics.median(s) for name, s in seconds.items()}
-            row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
-                   **{f"{name}_seconds": [round(s, 2) for s in seconds[name]] for name in fns},
-                   **{f"{name}_sentences_per_s": round(len(texts) / medians[name], 1) for name in fns},
-                   **{f"ratio_ours_over_{name}": round(medians[name] / medians["ours"], 2) for name in ct2},
-                   "warm_up_s": {name: round(t, 2) for name, t in warm_up.items()}}
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    workers = []
+    try:
+        for name, path, (inter, intra) in ours:
+            workers.append(Worker(name, ["ours", "--saved-model", str(path), "--inter-op-threads", str(inter),
+                                         "--intra-op-threads", str(intra)]))
+        for name, (compute, inter, intra) in settings.items():
+            workers.append(Worker(name, ["ct2", "--ct2-model", str(args.ct2_model),
+                                         "--tokenizer", str(Path(args.ct2_model) / TOKENIZER_FILENAME),
+                                         "--setting", f"{compute}:{inter}x{intra}",
+                                         "--length-penalty", str(length_penalty),
+                                         "--max-source-length", str(max_source_length),
+                                         "--extra-output-length", str(EXTRA_OUTPUT_LENGTH), "--pad-id", str(PAD_ID)]))
+        print(f"CPU: {cpu_line()}\n{len(sources)} sentences of {args.split}; each system in its own process: "
+              + "; ".join(f"{w.name}: {json.dumps(w.description)}" for w in workers)
+              + f"; CTranslate2 length penalty {length_penalty:.3f} (ours: alpha {args.alpha}; median reference "
+              f"length {median_length:g} pieces); source ids identical: {same_sources} of {len(sources)}; "
+              f"load average {load_at_start[0]:.2f}", flush=True)
 
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        results, outputs = [], {}
+        for beam, _ in DECODINGS:
+            for batch_size in batch_sizes:
+                texts = sources[:args.batch1_limit] if batch_size == 1 else sources
+                seconds, outputs[(beam, batch_size)], warm_up = time_workers(
+                    workers, texts, batch_size, beam, args.repeats)
+                speed = {n: len(texts) / statistics.median(s) for n, s in seconds.items()}
+                row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
+                       **{f"{n}_seconds": [round(s, 2) for s in seconds[n]] for n in names},
+                       **{f"{n}_sentences_per_s": round(speed[n], 1) for n in names},
+                       "ratios": {o: {c: round(speed[o] / speed[c], 2) for c in settings} for o, _, _ in ours},
+                       "warm_up_s": {n: round(t, 2) for n, t in warm_up.items()}}
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for w in workers:
+            w.close()
+
+    first = ours[0][0]
     quality = {}
-    for beam in ours:
+    for beam, _ in DECODINGS:
         hyps = outputs[(beam, max(batch_sizes))]
         quality[decoding_name(beam)] = {
-            "sentences": len(hyps["ours"]),
-            **{f"identical_{name}": sum(a == b for a, b in zip(hyps["ours"], hyps[name])) for name in ct2},
+            "sentences": len(hyps[first]),
+            **{f"identical_{name}": sum(a == b for a, b in zip(hyps[first], hyps[name])) for name in names[1:]},
             **{f"{name}_bleu": round(sacrebleu.corpus_bleu(h, [references[:len(h)]]).score, 2)
                for name, h in hyps.items()}}
     # Identity is a property of the conversion, so it is asked of the float32 settings only.
@@ -442,28 +494,26 @@ def run_compare(args) -> int:
     greedy = quality["greedy"]
     greedy_ok = all(greedy[f"identical_{name}"] >= GREEDY_IDENTITY_GOAL * greedy["sentences"] for name in exact)
     if args.outputs:
-        write_outputs(Path(args.outputs), {beam: outputs[(beam, max(batch_sizes))] for beam in ours})
+        write_outputs(Path(args.outputs), {beam: outputs[(beam, max(batch_sizes))] for beam, _ in DECODINGS})
 
-    print(f"\n| decoding | batch | sentences | ours sent/s | {' | '.join(f'{n} sent/s' for n in ct2)} | "
-          f"{' | '.join(f'ours / {n}' for n in ct2)} |")
-    print("|---|---:|---:|---:|" + "---:|" * (2 * len(ct2)))
+    print(f"\n| decoding | batch | sentences | {' | '.join(f'{n} sent/s' for n in names)} |")
+    print("|---|---:|---:|" + "---:|" * len(names))
     for r in results:
-        print(f"| {decoding_name(r['beam'])} | {r['batch_size']} | {r['sentences']} | {r['ours_sentences_per_s']} | "
-              + " | ".join(str(r[f"{n}_sentences_per_s"]) for n in ct2) + " | "
-              + " | ".join(f"{r[f'ratio_ours_over_{n}']}x" for n in ct2) + " |")
+        print(f"| {decoding_name(r['beam'])} | {r['batch_size']} | {r['sentences']} | "
+              + " | ".join(str(r[f"{n}_sentences_per_s"]) for n in names) + " |")
     compute_types = sorted({setting[0] for setting in settings.values()})
-    if len(ct2) > 1:  # issue 27's goal is against each compute type at its fastest thread setting
-        print("\nAgainst each compute type at its fastest setting (per row):")
-        for r in results:
-            best = {c: max((n for n in ct2 if settings[n][0] == c), key=lambda n: r[f"{n}_sentences_per_s"])
-                    for c in compute_types}
-            r["ratio_ours_over_best"] = {c: r[f"ratio_ours_over_{n}"] for c, n in best.items()}
-            print(f"  {decoding_name(r['beam'])}, batch {r['batch_size']}: "
-                  + ", ".join(f"ours / {c} = {r[f'ratio_ours_over_{n}']}x ({n})" for c, n in best.items()))
+    print("\nOurs against each CTranslate2 compute type at its fastest setting (per row):")
+    for r in results:
+        best = {c: max((n for n in settings if settings[n][0] == c), key=lambda n: r[f"{n}_sentences_per_s"])
+                for c in compute_types}
+        r["ratio_over_best"] = {o: {c: r["ratios"][o][n] for c, n in best.items()} for o, _, _ in ours}
+        for o, _, _ in ours:
+            print(f"  {decoding_name(r['beam'])}, batch {r['batch_size']}, {o}: "
+                  + ", ".join(f"/ {c} = {r['ratios'][o][n]}x ({n})" for c, n in best.items()))
     for decoding, q in quality.items():
-        print(f"{decoding}: sacreBLEU ours {q['ours_bleu']}, "
-              + ", ".join(f"{n} {q[f'{n}_bleu']} (identical to ours: {q[f'identical_{n}']} of {q['sentences']})"
-                          for n in ct2))
+        print(f"{decoding}: sacreBLEU " + ", ".join(f"{n} {q[f'{n}_bleu']}" for n in names)
+              + "; identical to " + first + ": "
+              + ", ".join(f"{n} {q[f'identical_{n}']} of {q['sentences']}" for n in names[1:]))
     if exact:
         print(f"Greedy identity goal (>= {GREEDY_IDENTITY_GOAL:.0%}, float32): {'met' if greedy_ok else 'NOT met'}")
 
@@ -471,15 +521,9 @@ def run_compare(args) -> int:
         summary = {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": cpu_line(),
-            "tensorflow": tf.__version__,
-            "ctranslate2": ctranslate2.__version__,
             "command": " ".join([sys.executable, *sys.argv]),
-            "threads": args.threads,
-            "ct2_settings": {name: dict(zip(("compute_type", "inter_threads", "intra_threads", "max_batch_size"),
-                                            setting)) for name, setting in settings.items()},
-            "tf_inter_op_threads": args.tf_inter_op_threads,
-            "tf_intra_op_threads": args.tf_intra_op_threads or args.threads,
-            "saved_model": str(args.saved_model),
+            "systems": {w.name: w.description for w in workers},
+            "saved_models": {name: str(path) for name, path, _ in ours},
             "ct2_model": str(args.ct2_model),
             "alpha": args.alpha,
             "ct2_length_penalty": round(length_penalty, 4),
@@ -514,7 +558,12 @@ def main(argv=None) -> int:
     c.add_argument("--tolerance", type=float, default=1e-4, help="largest token log-prob difference allowed")
 
     m = commands.add_parser("compare", parents=[common], help="identity, BLEU and speed, ours vs CTranslate2")
-    m.add_argument("--saved-model", required=True, help="our float32 export: EXPORT_DIR/NAME[/VERSION]")
+    m.add_argument("--saved-model", required=True, action="append", type=parse_ours,
+                   metavar="[NAME=]PATH[@INTERxINTRA]",
+                   help="our float32 export, EXPORT_DIR/NAME[/VERSION], served on INTER inter-op threads of INTRA "
+                        "intra-op threads each (default: --tf-inter-op-threads x --tf-intra-op-threads); repeat "
+                        "for more exports or thread layouts, each in its own process. The first is the one the "
+                        "translations are compared with")
     m.add_argument("--ct2-model", required=True, help="the directory `convert` wrote")
     m.add_argument("--alpha", type=float, default=1.0, help="the length-penalty alpha the SavedModel was exported with")
     m.add_argument("--ct2-length-penalty", type=float, help="CTranslate2's length_penalty "
@@ -527,15 +576,10 @@ def main(argv=None) -> int:
                    help="TensorFlow's inter-op threads (default 0: its own choice, one per core)")
     m.add_argument("--tf-intra-op-threads", type=int, default=0, metavar="N",
                    help="TensorFlow's intra-op threads (default 0: --threads)")
-    m.add_argument("--ct2-inter-threads", type=int, default=1, metavar="N",
-                   help="CTranslate2's inter_threads: batches (chunks of --ct2-max-batch-size) run at once (default 1)")
-    m.add_argument("--ct2-max-batch-size", type=int, default=0, metavar="N",
-                   help="CTranslate2 splits each batch into chunks of N sentences (default 0: no split); with "
-                        "--ct2-inter-threads 2 --threads 1, a batch of 64 as 2 chunks of 32 at once")
     m.add_argument("--ct2", action="append", type=parse_ct2_setting, metavar="TYPE:WORKERSxTHREADS",
-                   help="a CTranslate2 setting to time beside ours, e.g. int8:2x1 (2 workers of 1 thread, each "
-                        "batch split in two) or float32:1x2; repeat to alternate several in one run (replaces "
-                        "--ct2-inter-threads, --ct2-max-batch-size and CTranslate2's share of --threads)")
+                   help="a CTranslate2 setting to time beside ours, each in its own process, e.g. int8:2x1 (2 workers "
+                        "of 1 thread, each batch split in two) or float32:1x2; repeat to alternate several in one "
+                        "run (default: float32:1xTHREADS)")
     m.add_argument("--json", help="also write the results here")
     m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
     args = p.parse_args(argv)

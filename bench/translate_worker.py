@@ -1,0 +1,171 @@
+"""One translator alone in its own process, timed on request (bench/ctranslate2_side_by_side.py's worker; not a test).
+
+    python bench/translate_worker.py ours --saved-model EXPORT/translator/1 --inter-op-threads 2 --intra-op-threads 1
+    python bench/translate_worker.py ct2 --ct2-model CT2_DIR --tokenizer CT2_DIR/tokenizer.model \\
+        --setting float32:2x1 --length-penalty 0.84 --max-source-length 128 --extra-output-length 50
+
+`compare` starts one worker per system and thread layout, so that each runs
+as a user runs it: alone in its process, with its own thread pools, and no
+other framework loaded (the CTranslate2 worker imports neither TensorFlow nor
+Keras). A worker loads its translator, says it is ready, then answers
+requests one at a time, each a line of JSON on stdin:
+
+    {"batches": [["a sentence", ...], ...], "beam": 1}
+
+It translates the batches in order and answers with one line on stdout,
+
+    REPLY {"seconds": 12.3, "translations": [["ein Satz", ...], ...]}
+
+where `seconds` is measured in the worker around the batches alone (not the
+pipe, not the JSON). Anything else a library prints on stdout is ignored by
+the caller. An empty line or end of input ends the worker.
+
+ours: the SavedModel's text signatures, `greedy` for beam 1 and
+`serving_default` (the beam search it was exported with) for any other beam,
+tokenization and detokenization in the graph; the session's thread pools as
+TF Serving's --tensorflow_inter_op_parallelism and
+--tensorflow_intra_op_parallelism set them.
+
+ct2: `ctranslate2.Translator(compute_type, inter_threads=WORKERS,
+intra_threads=THREADS).translate_batch` on sentencepiece pieces, tokenized and
+detokenized (Python sentencepiece, the model's own) inside the timed section.
+With 2 workers each batch is split into two halves that run at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPLY_PREFIX = "REPLY "
+
+
+def reply(message: dict):
+    sys.stdout.write(REPLY_PREFIX + json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def parse_layout(text) -> tuple[int, int]:
+    """'2x1' -> (2, 1)."""
+    try:
+        first, second = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NxM, e.g. 2x1") from None
+    if first < 1 or second < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: thread counts must be >= 1")
+    return first, second
+
+
+class CTranslate2Texts:
+    """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
+    -> translations.
+
+    compute_type: "float32" or "int8" (CTranslate2 quantizes the float32 weights when it loads them, with a
+    scale per output channel). With inter_threads > 1 and max_batch_size 0, each batch is split into
+    inter_threads chunks of equal size that run at once, one per worker."""
+
+    def __init__(self, model_dir, tokenizer, max_source_length, length_penalty, extra_output_length, pad_id,
+                 threads, inter_threads=1, max_batch_size=0, compute_type="float32"):
+        import ctranslate2
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
+                                                 intra_threads=threads, inter_threads=inter_threads)
+        self.inter_threads = inter_threads
+        self.max_batch_size = max_batch_size  # 0: split across the workers (or the whole batch with one worker)
+        self.max_source_length = max_source_length
+        self.length_penalty = length_penalty
+        self.extra_output_length = extra_output_length
+        self.pad = self.sp.id_to_piece(pad_id)
+
+    def output_limit(self, pieces) -> int:
+        """CTranslate2's max_decoding_length for a batch: our limit for its longest source, minus the end token.
+
+        Ours: source tokens (pieces, truncated, + </s>) + extra_output_length, the end token counted;
+        CTranslate2 does not count it (its last step takes any token).
+        """
+        longest = max(min(len(p), self.max_source_length - 1) + 1 for p in pieces)
+        return longest + self.extra_output_length - 1
+
+    def translate(self, texts, beam_size):
+        pieces = self.sp.encode(list(texts), out_type=str)
+        chunk = self.max_batch_size or -(-len(pieces) // self.inter_threads)
+        results = self.translator.translate_batch(
+            pieces, beam_size=beam_size, length_penalty=self.length_penalty,
+            max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
+            min_decoding_length=0, suppress_sequences=[[self.pad]], max_batch_size=chunk)
+        return self.sp.decode([r.hypotheses[0] for r in results])
+
+
+def ours_translator(args):
+    """beam -> (batch -> translations) through the SavedModel's signatures, and a description."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from export.native_logs import import_tensorflow_quietly
+
+    tf = import_tensorflow_quietly()
+    # Before any op runs: TensorFlow fixes its thread pools when it first executes.
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
+    from export.translate import SavedModelTranslator
+
+    saved_model = SavedModelTranslator(args.saved_model)
+
+    def translate(batch, beam):
+        return list(saved_model.translate_batch(batch, "greedy" if beam == 1 else "serving_default").translations)
+
+    return translate, {"tensorflow": tf.__version__, "inter_op_threads": args.inter_op_threads,
+                       "intra_op_threads": args.intra_op_threads}
+
+
+def ct2_translator(args):
+    import ctranslate2
+
+    compute_type, layout = args.setting.split(":")
+    workers, threads = parse_layout(layout)
+    texts = CTranslate2Texts(args.ct2_model, args.tokenizer, args.max_source_length, args.length_penalty,
+                             args.extra_output_length, args.pad_id, threads, workers, 0, compute_type)
+    return (lambda batch, beam: texts.translate(batch, beam),
+            {"ctranslate2": ctranslate2.__version__, "compute_type": compute_type, "inter_threads": workers,
+             "intra_threads": threads, "length_penalty": args.length_penalty})
+
+
+def serve(translate, description):
+    reply({"ready": True, **description})
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        request = json.loads(line)
+        t0 = time.perf_counter()
+        translations = [translate(batch, request["beam"]) for batch in request["batches"]]
+        reply({"seconds": time.perf_counter() - t0, "translations": translations})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    systems = p.add_subparsers(dest="system", required=True)
+    o = systems.add_parser("ours", help="an exported SavedModel")
+    o.add_argument("--saved-model", required=True, help="EXPORT_DIR/NAME[/VERSION]")
+    o.add_argument("--inter-op-threads", type=int, default=0, help="0: TensorFlow's choice, one per core")
+    o.add_argument("--intra-op-threads", type=int, default=0, help="0: TensorFlow's choice, one per core")
+    c = systems.add_parser("ct2", help="a CTranslate2 model written by ctranslate2_side_by_side.py convert")
+    c.add_argument("--ct2-model", required=True)
+    c.add_argument("--tokenizer", required=True, help="the sentencepiece model `convert` copied beside it")
+    c.add_argument("--setting", required=True, help="COMPUTE_TYPE:WORKERSxTHREADS, e.g. float32:2x1")
+    c.add_argument("--length-penalty", type=float, required=True)
+    c.add_argument("--max-source-length", type=int, required=True, help="source pieces, end token included")
+    c.add_argument("--extra-output-length", type=int, required=True,
+                   help="our output limit past the source length, end token included")
+    c.add_argument("--pad-id", type=int, default=0)
+    args = p.parse_args(argv)
+    serve(*(ours_translator(args) if args.system == "ours" else ct2_translator(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
