@@ -109,6 +109,7 @@ def profile(sess, signature_def, texts, repeats, warm_up):
     sess.run(fetches, feed, options=config_pb2.RunOptions(trace_level=config_pb2.RunOptions.FULL_TRACE),
              run_metadata=metadata)
     in_loop, outside, executions = collections.Counter(), collections.Counter(), collections.Counter()
+    by_node = collections.Counter()  # "op type: node name inside the loop" -> microseconds
     loop_conds = collections.Counter()
     loop_span = [float("inf"), 0]
     for device in metadata.step_stats.dev_stats:
@@ -117,6 +118,7 @@ def profile(sess, signature_def, texts, repeats, warm_up):
             if LOOP_MARK in node.node_name:
                 in_loop[kind] += micros
                 executions[kind] += 1
+                by_node[f"{kind}: {node.node_name.rsplit(LOOP_MARK, 1)[-1]}"] += micros
                 loop_span[0] = min(loop_span[0], node.all_start_micros)
                 loop_span[1] = max(loop_span[1], node.all_start_micros + node.all_end_rel_micros)
                 if kind == "LoopCond":
@@ -124,7 +126,7 @@ def profile(sess, signature_def, texts, repeats, warm_up):
             else:
                 outside[kind] += micros
     iterations = [n - 1 for n in loop_conds.values()]  # a loop's condition runs once more than its body
-    return outputs, statistics.median(walls), in_loop, outside, executions, iterations, loop_span
+    return outputs, statistics.median(walls), in_loop, outside, executions, iterations, loop_span, by_node
 
 
 def main(argv=None) -> int:
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warm-up", type=int, default=3)
     p.add_argument("--top", type=int, default=14, help="op types listed per profile (default 14)")
+    p.add_argument("--nodes", type=int, default=0, help="also list the N costliest ops of the loop by name")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         for signature in args.signatures.split(","):
             for batch_size in (int(b) for b in args.batch_sizes.split(",")):
                 texts = sources[:batch_size]
-                outputs, wall, in_loop, outside, executions, iterations, span = profile(
+                outputs, wall, in_loop, outside, executions, iterations, span, by_node = profile(
                     sess, meta_graph.signature_def[signature], texts, args.repeats, args.warm_up)
                 # Loops run side by side: the call's wall time is the longest loop's, a "step" one of its
                 # iterations (with the other loops' work done meanwhile); ops and op times are per iteration.
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
                 for kind, micros in in_loop.most_common(args.top):
                     print(f"| {kind} | {micros / steps:.1f} | {micros / steps / total:.0%} | "
                           f"{executions[kind] / steps:.1f} |")
+                if args.nodes:
+                    print(f"The {args.nodes} costliest ops of the loop (us per step, traced): " + "; ".join(
+                        f"{name} {micros / steps:.1f}" for name, micros in by_node.most_common(args.nodes)))
                 print("outside the loop (ms): " + ", ".join(f"{k} {v / 1e3:.2f}"
                                                             for k, v in outside.most_common(6)), flush=True)
 
