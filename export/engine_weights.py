@@ -5,8 +5,9 @@ One mapping, `engine_model`, for every copy the export makes:
 
 - the graph decoder's, in the Keras dtype policy `decode_policy` picks (float32 unless bfloat16 is asked
   for), whatever policy the model was trained in;
-- the XLA decoder's (`kt-export --xla-max-batch`), in float32 with the output projection stored
-  `[d_model, vocab]` (`untie_output_projection=True`).
+- the XLA decoder's (`kt-export --xla-max-batch`), in float32;
+
+both with the output projection stored `[d_model, vocab]` (`untie_output_projection=True`).
 
 Weights are copied by their path (`variable.path`, the name a `.keras` file stores them under, without
 the model's own name), and the mapping fails loudly, naming the weights, when a weight of the model is
@@ -30,11 +31,11 @@ def engine_model(model, dtype=None, untie_output_projection=False):
             None: `model`'s own.
         untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
             becomes an untied `Dense` whose kernel is the embedding transposed, `[d_model, vocab]`,
-            and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul reads them
-            faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`: on a 2-core
-            EPYC, greedy and beam 4 decode faster at batch 1, greedy less so at batch 8, with the same
-            tokens (docs/benchmarks-log.md, "The XLA decoder's output projection"). It costs the export one
-            more `[d_model, vocab]` float32 variable.
+            and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul and oneDNN's
+            both read them faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`,
+            with the same tokens (docs/benchmarks-log.md, "The XLA decoder's output projection" and "The
+            served step's weights, read as they are stored"). It costs the export one more
+            `[d_model, vocab]` variable for each decoder.
 
     Returns:
         `model` itself when nothing changes (its policy is `dtype`, and its projection is untied or

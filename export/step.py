@@ -16,8 +16,11 @@ through the layers' documented extension API (`keras_transformer.attention.Atten
 - outside XLA, the attention product of a step on Eigen's float32 batched matmul with the softmax
   written out (`GraphAttentionOps`).
 
-The tied output projection is the library's too: its transpose of the embedding matrix is folded into
-the matmul by TensorFlow's graph optimizer (Grappler), so a step does not copy the matrix.
+Outside XLA a step's Q, K and V projections are three matmuls (`GraphAttentionOps.project`: no copy of
+the kernels at every step), and the output projection reads a `[d_model, vocab]` kernel, stored so by
+`engine_model(..., untie_output_projection=True)`, which `Translator` passes for every decoder: oneDNN's
+matmul reads the tied embedding, `[vocab, d_model]`, transposed, and more slowly (docs/benchmarks-log.md,
+"The served step's weights, read as they are stored").
 
 Beam hypotheses read their sentence's cross-attention keys and values by broadcasting (the layer's
 grouped cross-attention cache), so the cache is neither repeated per hypothesis nor copied when
@@ -30,12 +33,23 @@ import tensorflow as tf
 
 from export.tf_internals import eigen_batch_matmul
 from keras_transformer.attention import AttentionOps
+from keras_transformer.linear import project_heads
 from keras_transformer.masking import MASKED_SCORE
 
 
 class GraphAttentionOps(AttentionOps):
-    """The cached attention of a step on a TensorFlow CPU graph: with growing shapes (outside XLA) the
-    product on Eigen's batched matmul (`attend_on_eigen`); with fixed shapes XLA compiles the layer's own."""
+    """The cached attention of a step on a TensorFlow CPU graph. With growing shapes (outside XLA): the
+    Q, K and V projections as three matmuls, and the product on Eigen's batched matmul (`attend_on_eigen`);
+    with fixed shapes XLA compiles the layer's own.
+
+    The layer's default projection puts the three kernels side by side for one matmul: in a TensorFlow
+    while loop that concatenation (3 d_model^2 weights) runs again in every layer at every step. Three
+    matmuls read each kernel where it is stored."""
+
+    def project(self, x, denses):
+        if not self.growing_cache:
+            return super().project(x, denses)
+        return [project_heads(x, [dense])[0] for dense in denses]
 
     def attend(self, query, key, value, mask):
         if not self.growing_cache:

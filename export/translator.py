@@ -354,11 +354,11 @@ class Translator(tf.Module):
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
                        precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
         """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
-        in `precision` (see `decode_policy`; the weights are mapped by `engine_model`); with
-        `xla_max_batch`, small batches under XLA in float32, the output projection stored
-        `[d_model, vocab]`; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
+        in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
+        projection stored `[d_model, vocab]`, as the matmul reads it fastest); with `xla_max_batch`, small
+        batches under XLA in float32; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
-        model = engine_model(loaded, decode_policy(precision)[0])
+        model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True)
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),

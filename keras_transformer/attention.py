@@ -146,7 +146,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             if attention_mask is not None:
                 attention_mask = ops.expand_dims(attention_mask, 1)
         else:  # self-attention: this call's keys and values written into the cache
-            query_heads, new_keys, new_values = (_heads_first(h) for h in self._project_heads(query, value, key))
+            w = self.projections
+            projected = (attention_ops.project(query, [w.query, w.key, w.value]) if query is value and key is value
+                         else self._project_heads(query, value, key))
+            query_heads, new_keys, new_values = (_heads_first(h) for h in projected)
             key_heads = attention_ops.write(cache[0], cache_index, new_keys)
             value_heads = attention_ops.write(cache[1], cache_index, new_values)
             cache = (key_heads, value_heads)
@@ -213,9 +216,13 @@ class AttentionOps:
     """How `MultiHeadAttention`'s cached calls compute: documented extension API, as `strategies.SearchOps`.
 
     The layer decides what a cached call computes (the projections, the
-    causal rule, equation 1); this object decides how its two array steps run,
-    so that a runtime can specialise them without copying the layer:
+    causal rule, equation 1); this object decides how its three array steps
+    run, so that a runtime can specialise them without copying the layer:
 
+    - `project(x, denses)`: a cached self-attention call's Q, K and V
+      projections of `x` `[batch, length, dim]` by the `EinsumDense` layers
+      `denses`, one `[batch, length, num_heads, head_dim]` each. Default: one
+      matmul with the three kernels side by side (`linear.project_heads`).
     - `write(heads, index, update)`: the cache `heads`
       `[batch, num_heads, length, key_dim]` with `update`
       `[batch, num_heads, n, key_dim]` at positions `index ... index + n - 1`.
@@ -245,6 +252,9 @@ class AttentionOps:
 
     def __init__(self, growing_cache=False):
         self.growing_cache = growing_cache
+
+    def project(self, x, denses):
+        return project_heads(x, denses)
 
     def write(self, heads, index, update):
         update = ops.cast(update, heads.dtype)

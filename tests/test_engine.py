@@ -17,6 +17,7 @@ from export import search, step
 from export.engine_weights import engine_model
 from export.search import GRAPH_OPS, _block_length, _top_k, beam_search, greedy_decode
 from export.translator import load_model_dir
+from keras_transformer.attention import AttentionOps
 from keras_transformer.strategies import most_likely_token, next_tokens
 from keras_transformer.text import END_ID as END
 from keras_transformer.text import START_ID as START
@@ -175,6 +176,49 @@ def test_the_step_equals_the_full_pass(kwargs):
 
 # The engine's attention outside XLA: the layer's cached call on a cache that grows, products on Eigen.
 GROWING = step.GraphAttentionOps(growing_cache=True)
+
+
+def _weights_moved(graph):
+    """The ops of `graph` that concatenate or transpose a variable's value (through reshapes and casts)."""
+    def from_variable(tensor):
+        op = tensor.op
+        while op.type in ("Reshape", "Identity", "Cast"):
+            op = op.inputs[0].op
+        return op.type == "ReadVariableOp"
+
+    return sorted(op.name for op in graph.get_operations()
+                  if op.type in ("ConcatV2", "Transpose") and any(from_variable(x) for x in op.inputs))
+
+
+def test_a_served_step_reads_its_weights_where_they_are_stored():
+    """Outside XLA a step runs in a TensorFlow while loop, where nothing is hoisted out of it: what a step does
+    to its weights it does at every step. The engine's step (the model `Translator` decodes with, its
+    attention ops) concatenates no kernels (the layer's Q, K, V projection as one matmul would) and transposes
+    none (a tied output projection would read the embedding transposed), and still equals the full pass."""
+    rng = np.random.default_rng(3)
+    model = kt.Transformer.from_preset("tiny", vocab_size=40)
+    model.build()
+    source, target = random_ids(rng, 2, 5), random_ids(rng, 2, 4)
+    served = engine_model(model, "float32", untie_output_projection=True)
+    encoder_output = served.encode(source, training=False)
+    mask = tf.not_equal(source, 0)
+
+    @tf.function
+    def one_step(token_ids, cache):
+        return step.decode_step(served, token_ids, 1, mask, cache)
+
+    cache = served.init_decoding_cache(encoder_output, 0)
+    _, cache = step.decode_step(served, tf.constant(target[:, 0]), 0, mask, cache)
+    graph = one_step.get_concrete_function(tf.constant(target[:, 1]), cache).graph
+    assert _weights_moved(graph) == []
+    # The library's own ops (the projection as one matmul) on the tied model move both, so the check can fail.
+    library_step = tf.function(lambda ids, cache: model.decode_step(
+        ids, 1, None, mask, cache, attention_ops=AttentionOps(growing_cache=True)))
+    library_graph = library_step.get_concrete_function(tf.constant(target[:, 1]), cache).graph
+    assert {library_graph.get_operation_by_name(name).type for name in _weights_moved(library_graph)} == {
+        "ConcatV2", "Transpose"}
+    full = model((source, target)).numpy()
+    np.testing.assert_allclose(_step_by_step_logits(served, source, target), full, atol=1e-5)
 
 
 def test_a_cache_of_free_length_grows_in_a_while_loop():

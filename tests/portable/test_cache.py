@@ -1,5 +1,6 @@
 """Incremental decoding with the key/value cache equals the full forward pass (the cache's three modes)."""
 
+import keras
 import numpy as np
 
 import keras_transformer as kt
@@ -47,6 +48,30 @@ def test_a_growing_cache_equals_the_full_causal_pass():
         out, cache = mha(part, part, cache=cache, cache_index=start, attention_ops=growing)
         assert tuple(cache[0].shape) == (2, 4, stop, 4)
         np.testing.assert_allclose(to_numpy(out), full[:, start:stop], atol=1e-5)
+
+
+def test_a_cached_self_attention_call_projects_through_its_attention_ops():
+    """`AttentionOps.project` is how a cached self-attention call gets Q, K and V: a runtime's own projection
+    (here one matmul per kernel, as the serving engine's) is called, and the call still equals the full pass."""
+    from keras_transformer.linear import project_heads
+
+    class OneMatmulEach(AttentionOps):
+        calls = 0
+
+        def project(self, x, denses):
+            OneMatmulEach.calls += 1
+            return [project_heads(x, [dense])[0] for dense in denses]
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(2, 4, 16)).astype("float32")
+    mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
+    full = to_numpy(mha(x, x, use_causal_mask=True))
+    cache, ops = mha.empty_cache(batch_size=2, max_length=0), OneMatmulEach(growing_cache=True)
+    for t in range(4):
+        x_t = keras.ops.convert_to_tensor(x[:, t : t + 1])  # one tensor as query, key and value: self-attention
+        out, cache = mha(x_t, x_t, cache=cache, cache_index=t, attention_ops=ops)
+        np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], atol=1e-5)
+    assert OneMatmulEach.calls == 4
 
 
 def test_rows_read_their_group_entry_of_a_cross_attention_cache():
