@@ -76,10 +76,11 @@ def test_settings_out_of_range_are_one_clear_error(tmp_path):
 
 
 def test_shipped_best_recipe_is_the_anchors():
-    """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (issue 41)."""
+    """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (issue 41), but for
+    its dropout: 0.1, chosen on val, where the anchor's 0.3 left the model underfitting on CPU (training/README)."""
     cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k-best.json")])
     assert cfg["model"] == {"d_model": 128, "num_heads": 4, "d_ff": 256, "num_encoder_layers": 4,
-                            "num_decoder_layers": 4, "dropout": 0.3}
+                            "num_decoder_layers": 4, "dropout": 0.1}
     assert cfg["max_updates"] == 8060 and cfg["epochs"] is None and cfg["max_minutes"] is None
     assert (cfg["adam_epsilon"], cfg["global_clipnorm"], cfg["label_smoothing"]) == (1e-8, 25.0, 0.1)
     # Peak learning rate 0.005 at update 2,000: scale * (d_model * warmup) ** -0.5.
