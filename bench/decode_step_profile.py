@@ -23,8 +23,11 @@ translates a batch: the first sentence of the split for batch 1, its first 64 fo
   Q, K, V and output projections; cross-attention Q and output projections (its keys and values are
   computed once per sentence, outside the loop); the feed-forward network; the two attention products;
   the output projection). GFLOP/s = those operations over the loop's wall time;
-- the same products at their best on this machine: a [64*beam, d] x [d, V] float32 matmul (a step's
-  largest) repeated in a session on the same threads, as the ceiling of what a step's products reach.
+- the same products at their best on this machine: a [rows, d] x [d, V] float32 matmul (a step's largest)
+  repeated in a session on the same threads, at 1 row and at 64 x beam rows, as the ceiling of what a step's
+  products reach. At one row a product reads each weight once for 2 operations, so memory, not arithmetic,
+  bounds it: the step's weights (every decoder projection and the output projection, in float32) over that
+  matmul's rate of reading weights is the least a batch-1 step can take on these threads.
 
 The trace costs time of its own for each op (more for small ones), so the op table's sum exceeds the
 untraced wall time; the shares between op types are what it shows. Time on an idle machine.
@@ -77,6 +80,14 @@ def step_flops(config, rows_lengths, source_lengths, beam_rows):
             per_row = layers * (2 * 4 * d * d + 2 * 2 * d * d + 2 * 2 * d * d_ff + 4 * d * t + 4 * d * source)
             total += beam_rows * (per_row + 2 * d * vocab)
     return total
+
+
+def step_weight_bytes(config) -> int:
+    """Bytes of float32 weights a decoder step reads: each layer's self-attention Q, K, V, output and
+    cross-attention Q, output projections and its feed-forward network, then the output projection."""
+    d, d_ff, layers = config["d_model"], config["d_ff"], config["num_decoder_layers"]
+    vocab = config.get("target_vocab_size") or config["vocab_size"]
+    return 4 * (layers * (6 * d * d + 2 * d * d_ff) + d * vocab)
 
 
 def matmul_ceiling(session_config, rows, d, vocab, seconds=2.0) -> float:
@@ -209,17 +220,25 @@ def main(argv=None) -> int:
                 print("outside the loop (ms): " + ", ".join(f"{k} {v / 1e3:.2f}"
                                                             for k, v in outside.most_common(6)), flush=True)
 
-    beam_rows = max(int(b) for b in args.batch_sizes.split(",")) * args.beam_size
-    ceiling = {"rows": beam_rows,
-               "gflops_per_s": round(matmul_ceiling(session_config, beam_rows, model["d_model"], model["vocab_size"]), 1)}
-    print(f"\nCeiling: a [{beam_rows}, {model['d_model']}] x [{model['d_model']}, {model['vocab_size']}] float32 "
-          f"matmul on these threads: {ceiling['gflops_per_s']} GFLOP/s")
+    ceiling = {}
+    print()
+    for rows in (1, max(int(b) for b in args.batch_sizes.split(",")) * args.beam_size):
+        gflops = matmul_ceiling(session_config, rows, model["d_model"], model["vocab_size"])
+        # Its weights are read once per product: at one row that, not the arithmetic, bounds it.
+        gbytes = gflops / (2 * rows) * 4
+        ceiling[rows] = {"gflops_per_s": round(gflops, 1), "weight_gbytes_per_s": round(gbytes, 1)}
+        print(f"Ceiling: a [{rows}, {model['d_model']}] x "
+              f"[{model['d_model']}, {model['vocab_size']}] float32 matmul on these threads: {gflops:.1f} GFLOP/s, "
+              f"its weights read at {gbytes:.1f} GB/s")
+    print(f"A step reads {step_weight_bytes(model) / 1e6:.1f} MB of float32 weights: at batch 1, "
+          f"{step_weight_bytes(model) / (ceiling[1]['weight_gbytes_per_s'] * 1e9) * 1e3:.2f} ms at the 1-row rate")
     if args.json:
         summary = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "cpu": cpu_line(), "tensorflow": tf.__version__, "saved_model": str(path),
                    "command": " ".join([sys.executable, *sys.argv]), "model": model,
                    "inter_op_threads": args.inter_op_threads, "intra_op_threads": args.intra_op_threads,
-                   "matmul_ceiling": ceiling, "results": results, "load_average_at_end": os.getloadavg()}
+                   "matmul_ceiling": ceiling, "step_weight_bytes": step_weight_bytes(model), "results": results,
+                   "load_average_at_end": os.getloadavg()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
