@@ -146,10 +146,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             if attention_mask is not None:
                 attention_mask = ops.expand_dims(attention_mask, 1)
         else:  # self-attention: this call's keys and values written into the cache
-            w = self.projections
-            projected = (attention_ops.project(query, [w.query, w.key, w.value]) if query is value and key is value
-                         else self._project_heads(query, value, key))
-            query_heads, new_keys, new_values = (_heads_first(h) for h in projected)
+            query_heads, new_keys, new_values = (
+                _heads_first(h) for h in self._project_heads(query, value, key, attention_ops))
             key_heads = attention_ops.write(cache[0], cache_index, new_keys)
             value_heads = attention_ops.write(cache[1], cache_index, new_values)
             cache = (key_heads, value_heads)
@@ -168,11 +166,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             outputs += (cache,)
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _project_heads(self, query, value, key):
-        """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input."""
+    def _project_heads(self, query, value, key, attention_ops=None):
+        """Q W^Q, K W^K, V W^V as `[batch, length, num_heads, dim]`; one matmul for those sharing an input, or
+        however `attention_ops.project` runs the three of a self-attention call."""
         w = self.projections
         if query is value and key is value:
-            return project_heads(query, [w.query, w.key, w.value])
+            return (attention_ops or KERAS_ATTENTION_OPS).project(query, [w.query, w.key, w.value])
         return (_project(query, w.query), *self._project_keys_values(value, key))
 
     def _project_keys_values(self, value, key):
