@@ -122,7 +122,7 @@ from ctranslate2.converters.utils import fuse_linear  # noqa: E402
 from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
 
 from bench.served_speed import cpu_line  # noqa: E402
-from bench.translate_worker import REPLY_PREFIX, parse_layout  # noqa: E402
+from bench.translate_worker import REPLY_PREFIX, parse_ct2_setting, parse_layout  # noqa: E402
 from export.translate import resolve_saved_model, translate_lines  # noqa: E402
 from export.engine_weights import engine_model  # noqa: E402
 from export.search import EXTRA_OUTPUT_LENGTH  # noqa: E402
@@ -307,19 +307,6 @@ def run_convert(args) -> int:
 # ------------------------------------------------------------------ compare
 
 
-def parse_ct2_setting(text):
-    """'int8:2x1' -> ("int8", 2, 1): compute type, workers (inter_threads) x threads per worker (intra_threads)."""
-    try:
-        compute_type, layout = text.split(":")
-        inter, intra = (int(n) for n in layout.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--ct2 {text!r}: expected COMPUTE_TYPE:WORKERSxTHREADS, e.g. int8:2x1 or float32:1x2") from None
-    if compute_type not in ("float32", "int8", "int8_float32", "bfloat16", "int8_bfloat16") or inter < 1 or intra < 1:
-        raise argparse.ArgumentTypeError(f"--ct2 {text!r}: unknown compute type or a thread count below 1")
-    return compute_type, inter, intra
-
-
 def matched_length_penalty(alpha, references, sp) -> tuple[float, float]:
     """(CTranslate2 lp, m): lp with |y|^lp as steep as ((|y| + 6) / 6)^alpha in log-log at |y| = m,
     the median reference length in pieces (|y| without the end token)."""
@@ -361,10 +348,14 @@ def parse_ours(text):
 
 
 def kt_translate_batches(texts, batch_size):
-    """The batches kt-translate makes of `texts` (sorted by length), in its order."""
+    """The batches kt-translate makes of `texts` (sorted by length), in its order: `translate_lines`' own."""
     batches = []
-    translate_lines(lambda batch: (batches.append(list(batch)), ([""] * len(batch), [None] * len(batch)))[1],
-                    texts, batch_size)
+
+    def record(batch):
+        batches.append(list(batch))
+        return [""] * len(batch), [None] * len(batch)
+
+    translate_lines(record, texts, batch_size)
     return batches
 
 
@@ -383,9 +374,12 @@ class Worker:
                 return json.loads(line[len(REPLY_PREFIX):])
         raise RuntimeError(f"{self.name}: the worker ended (exit status {self.process.wait()}); see its stderr above")
 
-    def translate(self, texts, batch_size, beam):
-        """(seconds the worker took, translations in input order) for `texts` in kt-translate's batches."""
-        self.process.stdin.write(json.dumps({"batches": kt_translate_batches(texts, batch_size), "beam": beam}) + "\n")
+    def translate(self, texts, batch_size, decoding):
+        """(seconds the worker took, translations in input order) for `texts` in kt-translate's batches;
+        `decoding`: (beam size, our signature), one of DECODINGS."""
+        beam, signature = decoding
+        request = {"batches": kt_translate_batches(texts, batch_size), "beam": beam, "signature": signature}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         answer = self._reply()
         translations = iter(answer["translations"])
@@ -399,19 +393,19 @@ class Worker:
             self.process.wait()
 
 
-def time_workers(workers, texts, batch_size, beam, repeats):
+def time_workers(workers, texts, batch_size, decoding, repeats):
     """One untimed pass each (its seconds are returned: tracing, first allocations, an XLA decoder's
     compilations), then `repeats` rounds alternating the workers, each alone on the machine while it runs
     (the others wait on their pipes; SETTLE_S between calls lets the last one's threads go idle).
     Returns ({name: seconds of each round}, {name: translations of the last round}, {name: warm-up seconds})."""
     warm_up = {}
     for w in workers:
-        warm_up[w.name] = w.translate(texts, batch_size, beam)[0]
+        warm_up[w.name] = w.translate(texts, batch_size, decoding)[0]
         time.sleep(SETTLE_S)
     seconds, outputs = {w.name: [] for w in workers}, {}
     for _ in range(repeats):
         for w in workers:
-            elapsed, outputs[w.name] = w.translate(texts, batch_size, beam)
+            elapsed, outputs[w.name] = w.translate(texts, batch_size, decoding)
             seconds[w.name].append(elapsed)
             time.sleep(SETTLE_S)
     return seconds, outputs, warm_up
@@ -463,11 +457,11 @@ def run_compare(args) -> int:
 
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         results, outputs = [], {}
-        for beam, _ in DECODINGS:
+        for beam, signature in DECODINGS:
             for batch_size in batch_sizes:
                 texts = sources[:args.batch1_limit] if batch_size == 1 else sources
                 seconds, outputs[(beam, batch_size)], warm_up = time_workers(
-                    workers, texts, batch_size, beam, args.repeats)
+                    workers, texts, batch_size, (beam, signature), args.repeats)
                 speed = {n: len(texts) / statistics.median(s) for n, s in seconds.items()}
                 row = {"beam": beam, "batch_size": batch_size, "sentences": len(texts),
                        **{f"{n}_seconds": [round(s, 2) for s in seconds[n]] for n in names},

@@ -70,24 +70,28 @@ def op_type(node_stats) -> str:
     return label.split("=", 1)[1].split("(", 1)[0].strip() if "=" in label else node_stats.node_name
 
 
-def step_flops(config, rows_lengths, source_lengths, beam_rows):
-    """Floating-point operations of the decoder steps the translations took (see the module docstring)."""
+def step_weights(config) -> int:
+    """The weights a decoder step multiplies a row by: each layer's self-attention Q, K, V and output and
+    cross-attention Q and output projections and its feed-forward network, then the output projection."""
     d, d_ff, layers = config["d_model"], config["d_ff"], config["num_decoder_layers"]
     vocab = config.get("target_vocab_size") or config["vocab_size"]
+    return layers * (6 * d * d + 2 * d * d_ff) + d * vocab
+
+
+def step_flops(config, rows_lengths, source_lengths, beam_rows):
+    """Floating-point operations of the decoder steps the translations took (see the module docstring):
+    2 per weight and row, and the two attention products over t cached positions and s source positions."""
+    d, layers = config["d_model"], config["num_decoder_layers"]
     total = 0
     for steps, source in zip(rows_lengths, source_lengths):
         for t in range(1, steps + 1):
-            per_row = layers * (2 * 4 * d * d + 2 * 2 * d * d + 2 * 2 * d * d_ff + 4 * d * t + 4 * d * source)
-            total += beam_rows * (per_row + 2 * d * vocab)
+            total += beam_rows * (2 * step_weights(config) + layers * (4 * d * t + 4 * d * source))
     return total
 
 
 def step_weight_bytes(config) -> int:
-    """Bytes of float32 weights a decoder step reads: each layer's self-attention Q, K, V, output and
-    cross-attention Q, output projections and its feed-forward network, then the output projection."""
-    d, d_ff, layers = config["d_model"], config["d_ff"], config["num_decoder_layers"]
-    vocab = config.get("target_vocab_size") or config["vocab_size"]
-    return 4 * (layers * (6 * d * d + 2 * d * d_ff) + d * vocab)
+    """Bytes of float32 weights a decoder step reads."""
+    return 4 * step_weights(config)
 
 
 def matmul_ceiling(session_config, rows, d, vocab, seconds=2.0) -> float:

@@ -10,7 +10,7 @@ other framework loaded (the CTranslate2 worker imports neither TensorFlow nor
 Keras). A worker loads its translator, says it is ready, then answers
 requests one at a time, each a line of JSON on stdin:
 
-    {"batches": [["a sentence", ...], ...], "beam": 1}
+    {"batches": [["a sentence", ...], ...], "beam": 4, "signature": "serving_default"}
 
 It translates the batches in order and answers with one line on stdout,
 
@@ -20,14 +20,14 @@ where `seconds` is measured in the worker around the batches alone (not the
 pipe, not the JSON). Anything else a library prints on stdout is ignored by
 the caller. An empty line or end of input ends the worker.
 
-ours: the SavedModel's text signatures, `greedy` for beam 1 and
-`serving_default` (the beam search it was exported with) for any other beam,
-tokenization and detokenization in the graph; the session's thread pools as
+ours: the request's text signature of the SavedModel (`greedy`, or
+`serving_default`: the beam search it was exported with), tokenization and
+detokenization in the graph; the session's thread pools as
 TF Serving's --tensorflow_inter_op_parallelism and
 --tensorflow_intra_op_parallelism set them.
 
 ct2: `ctranslate2.Translator(compute_type, inter_threads=WORKERS,
-intra_threads=THREADS).translate_batch` on sentencepiece pieces, tokenized and
+intra_threads=THREADS).translate_batch` with the request's beam size on sentencepiece pieces, tokenized and
 detokenized (Python sentencepiece, the model's own) inside the timed section.
 With 2 workers each batch is split into two halves that run at once.
 """
@@ -60,16 +60,29 @@ def parse_layout(text) -> tuple[int, int]:
     return first, second
 
 
+def parse_ct2_setting(text):
+    """'int8:2x1' -> ("int8", 2, 1): compute type, workers (inter_threads) x threads per worker (intra_threads)."""
+    compute_type, _, layout = text.partition(":")
+    try:
+        inter, intra = parse_layout(layout)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected COMPUTE_TYPE:WORKERSxTHREADS, e.g. int8:2x1 or float32:1x2 ({e})") from None
+    if compute_type not in ("float32", "int8", "int8_float32", "bfloat16", "int8_bfloat16"):
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown compute type {compute_type!r}")
+    return compute_type, inter, intra
+
+
 class CTranslate2Texts:
     """Text in, text out through a converted model, as our text signatures: translate(texts, beam_size)
     -> translations.
 
     compute_type: "float32" or "int8" (CTranslate2 quantizes the float32 weights when it loads them, with a
-    scale per output channel). With inter_threads > 1 and max_batch_size 0, each batch is split into
-    inter_threads chunks of equal size that run at once, one per worker."""
+    scale per output channel). With inter_threads > 1 each batch is split into inter_threads chunks of equal
+    size that run at once, one per worker."""
 
     def __init__(self, model_dir, tokenizer, max_source_length, length_penalty, extra_output_length, pad_id,
-                 threads, inter_threads=1, max_batch_size=0, compute_type="float32"):
+                 threads, inter_threads=1, compute_type="float32"):
         import ctranslate2
         import sentencepiece as spm
 
@@ -77,7 +90,6 @@ class CTranslate2Texts:
         self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=inter_threads)
         self.inter_threads = inter_threads
-        self.max_batch_size = max_batch_size  # 0: split across the workers (or the whole batch with one worker)
         self.max_source_length = max_source_length
         self.length_penalty = length_penalty
         self.extra_output_length = extra_output_length
@@ -94,7 +106,7 @@ class CTranslate2Texts:
 
     def translate(self, texts, beam_size):
         pieces = self.sp.encode(list(texts), out_type=str)
-        chunk = self.max_batch_size or -(-len(pieces) // self.inter_threads)
+        chunk = -(-len(pieces) // self.inter_threads)
         results = self.translator.translate_batch(
             pieces, beam_size=beam_size, length_penalty=self.length_penalty,
             max_input_length=self.max_source_length, max_decoding_length=self.output_limit(pieces),
@@ -103,7 +115,7 @@ class CTranslate2Texts:
 
 
 def ours_translator(args):
-    """beam -> (batch -> translations) through the SavedModel's signatures, and a description."""
+    """(batch, request) -> translations through the request's signature of the SavedModel, and a description."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from export.native_logs import import_tensorflow_quietly
@@ -116,8 +128,8 @@ def ours_translator(args):
 
     saved_model = SavedModelTranslator(args.saved_model)
 
-    def translate(batch, beam):
-        return list(saved_model.translate_batch(batch, "greedy" if beam == 1 else "serving_default").translations)
+    def translate(batch, request):
+        return list(saved_model.translate_batch(batch, request["signature"]).translations)
 
     return translate, {"tensorflow": tf.__version__, "inter_op_threads": args.inter_op_threads,
                        "intra_op_threads": args.intra_op_threads}
@@ -126,11 +138,10 @@ def ours_translator(args):
 def ct2_translator(args):
     import ctranslate2
 
-    compute_type, layout = args.setting.split(":")
-    workers, threads = parse_layout(layout)
+    compute_type, workers, threads = args.setting
     texts = CTranslate2Texts(args.ct2_model, args.tokenizer, args.max_source_length, args.length_penalty,
-                             args.extra_output_length, args.pad_id, threads, workers, 0, compute_type)
-    return (lambda batch, beam: texts.translate(batch, beam),
+                             args.extra_output_length, args.pad_id, threads, workers, compute_type)
+    return (lambda batch, request: texts.translate(batch, request["beam"]),
             {"ctranslate2": ctranslate2.__version__, "compute_type": compute_type, "inter_threads": workers,
              "intra_threads": threads, "length_penalty": args.length_penalty})
 
@@ -142,7 +153,7 @@ def serve(translate, description):
             break
         request = json.loads(line)
         t0 = time.perf_counter()
-        translations = [translate(batch, request["beam"]) for batch in request["batches"]]
+        translations = [translate(batch, request) for batch in request["batches"]]
         reply({"seconds": time.perf_counter() - t0, "translations": translations})
 
 
@@ -156,7 +167,8 @@ def main(argv=None) -> int:
     c = systems.add_parser("ct2", help="a CTranslate2 model written by ctranslate2_side_by_side.py convert")
     c.add_argument("--ct2-model", required=True)
     c.add_argument("--tokenizer", required=True, help="the sentencepiece model `convert` copied beside it")
-    c.add_argument("--setting", required=True, help="COMPUTE_TYPE:WORKERSxTHREADS, e.g. float32:2x1")
+    c.add_argument("--setting", required=True, type=parse_ct2_setting,
+                   help="COMPUTE_TYPE:WORKERSxTHREADS, e.g. float32:2x1")
     c.add_argument("--length-penalty", type=float, required=True)
     c.add_argument("--max-source-length", type=int, required=True, help="source pieces, end token included")
     c.add_argument("--extra-output-length", type=int, required=True,
