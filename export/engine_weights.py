@@ -7,7 +7,8 @@ One mapping, `engine_model`, for every copy the export makes:
   for), whatever policy the model was trained in;
 - the XLA decoder's (`kt-export --xla-max-batch`), in float32;
 
-both with the output projection stored `[d_model, vocab]` (`untie_output_projection=True`).
+both with the output projection stored `[d_model, vocab]` (`untie_output_projection=True`), the graph
+decoder's as one column block per decoding loop (`output_blocks`, `ColumnBlocks`).
 
 Weights are copied by their path (`variable.path`, the name a `.keras` file stores them under, without
 the model's own name), and the mapping fails loudly, naming the weights, when a weight of the model is
@@ -17,9 +18,10 @@ show here, not as a copy decoding with its initial weights.
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 
-def engine_model(model, dtype=None, untie_output_projection=False):
+def engine_model(model, dtype=None, untie_output_projection=False, output_blocks=1):
     """`model`'s weights in a model of its class and config computing under the Keras dtype policy `dtype`.
 
     Args:
@@ -36,18 +38,25 @@ def engine_model(model, dtype=None, untie_output_projection=False):
             with the same tokens (docs/benchmarks-log.md, "The XLA decoder's output projection" and "The
             served step's weights, read as they are stored"). It costs the export one more
             `[d_model, vocab]` variable for each decoder.
+        output_blocks: the untied output projection as this many column blocks (`ColumnBlocks`): the
+            graph decoder passes its number of decoding loops, the inter-op threads it is served on.
+            1 (default): one `Dense`.
 
     Returns:
         `model` itself when nothing changes (its policy is `dtype`, and its projection is untied or
-        stays tied), else a new built model holding `model`'s weights, cast to `dtype`.
+        stays tied, in one block), else a new built model holding `model`'s weights, cast to `dtype`.
 
     Raises:
         ValueError: naming the weights, when a weight of `model` has no place in the copy or a weight
-            of the copy gets no value.
+            of the copy gets no value; when `output_blocks` is below 1, or above 1 with the output
+            projection tied.
     """
     dtype = model.dtype_policy.name if dtype is None else dtype
     untie = untie_output_projection and model.output_projection is None
-    if dtype == model.dtype_policy.name and not untie:
+    if output_blocks < 1 or (output_blocks > 1 and not (untie or model.output_projection is not None)):
+        raise ValueError(f"output_blocks must be >= 1, and 1 for a tied output projection (pass "
+                         f"untie_output_projection=True); got {output_blocks}")
+    if dtype == model.dtype_policy.name and not untie and output_blocks == 1:
         return model
     overrides = {"dtype": dtype, **({"tie_output_embedding": False} if untie else {})}
     copy = type(model).from_config(model.get_config() | overrides)
@@ -59,7 +68,50 @@ def engine_model(model, dtype=None, untie_output_projection=False):
         values[_relative_path(projection.kernel, copy)] = np.transpose(values[embeddings])
         values[_relative_path(projection.bias, copy)] = np.zeros(projection.bias.shape, values[embeddings].dtype)
     assign_by_path(copy, values)
+    if output_blocks > 1:
+        # Set after the weights are mapped by path: the blocks are the engine's layout, not the model's.
+        copy.output_projection = ColumnBlocks(copy.output_projection, output_blocks)
     return copy
+
+
+class ColumnBlocks:
+    """A built `Dense` layer's product as `blocks` matmuls over column blocks of its kernel (and bias),
+    concatenated: the same outputs, column for column.
+
+    Why: in the TensorFlow graph a decoding loop runs one op at a time on one inter-op thread, and at batch 1
+    only one loop is busy; the output projection, `[d_model, vocab]`, is a step's largest matmul. As
+    independent ops, its blocks run at once on the threads the idle loops leave (docs/benchmarks-log.md,
+    "The output projection in column blocks").
+
+    Not a Keras layer: it takes the place of a built model's `output_projection` (Keras adds no state to a
+    built model), and its weights are `tf.Variable`s, which the export's functions capture and save like
+    the model's own.
+
+    Args:
+        dense: a built `keras.layers.Dense`; its kernel `[d_in, units]` and bias are copied, in their dtype.
+        blocks: the number of column blocks (`units` split as evenly as `numpy.array_split` splits it).
+
+    Input `[..., d_in]` -> output `[..., units]`, computed as `dense` computes it: `x @ kernel + bias` in
+    the input's dtype.
+    """
+
+    def __init__(self, dense, blocks):
+        kernel = _numpy(dense.kernel)
+        bias = _numpy(dense.bias) if dense.use_bias else None
+        columns = np.array_split(np.arange(kernel.shape[1]), blocks)
+        self.kernels = [tf.Variable(kernel[:, c], trainable=False, name=f"output_block_{i}_kernel")
+                        for i, c in enumerate(columns)]
+        self.biases = None if bias is None else [
+            tf.Variable(bias[c], trainable=False, name=f"output_block_{i}_bias") for i, c in enumerate(columns)]
+
+    def __call__(self, x):
+        outputs = []
+        for i, kernel in enumerate(self.kernels):
+            y = keras.ops.matmul(x, keras.ops.cast(kernel, x.dtype))
+            if self.biases is not None:
+                y = keras.ops.add(y, keras.ops.cast(self.biases[i], x.dtype))
+            outputs.append(y)
+        return keras.ops.concatenate(outputs, axis=-1)
 
 
 def assign_by_path(model, values):

@@ -20,7 +20,9 @@ Outside XLA a step's Q, K and V projections are three matmuls (`GraphAttentionOp
 the kernels at every step), and the output projection reads a `[d_model, vocab]` kernel, stored so by
 `engine_model(..., untie_output_projection=True)`, which `Translator` passes for every decoder: oneDNN's
 matmul reads the tied embedding, `[vocab, d_model]`, transposed, and more slowly (docs/benchmarks-log.md,
-"The served step's weights, read as they are stored").
+"The served step's weights, read as they are stored"). `Translator.from_model_dir` also stores that kernel
+as one column block per decoding loop (`engine_weights.ColumnBlocks`): independent matmuls, which the
+inter-op threads a lone loop leaves idle run at once.
 
 Beam hypotheses read their sentence's cross-attention keys and values by broadcasting (the layer's
 grouped cross-attention cache), so the cache is neither repeated per hypothesis nor copied when

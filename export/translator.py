@@ -355,10 +355,13 @@ class Translator(tf.Module):
                        precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
         """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
-        projection stored `[d_model, vocab]`, as the matmul reads it fastest); with `xla_max_batch`, small
+        projection stored `[d_model, vocab]`, as the matmul reads it fastest, in one column block per
+        decoding loop); with `xla_max_batch`, small
         batches under XLA in float32; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
-        model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True)
+        # One column block of the output projection per decoding loop, for the threads a lone loop leaves idle.
+        model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True,
+                             output_blocks=decode_loops(parallel_loops)[0])
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),

@@ -221,6 +221,59 @@ def test_a_served_step_reads_its_weights_where_they_are_stored():
     np.testing.assert_allclose(_step_by_step_logits(served, source, target), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_output_projection_in_column_blocks_is_independent_matmuls_of_the_same_logits(tied):
+    """`engine_model(..., output_blocks=2)` (what `Translator.from_model_dir` asks for with 2 decoding loops):
+    a step's output projection is 2 matmuls, neither reading the other's output, so the inter-op threads can run
+    them at once; the logits are the full pass's, and the blocks hold every column once (a trained bias too)."""
+    rng = np.random.default_rng(4)
+    model = kt.Transformer.from_preset("tiny", vocab_size=41, tie_output_embedding=tied)
+    model.build()
+    if not tied:  # a trained untied projection has a bias: give it one the blocks must carry
+        model.output_projection.bias.assign(rng.normal(size=41).astype("float32"))
+    source, target = random_ids(rng, 2, 5), random_ids(rng, 2, 4)
+    served = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
+    np.testing.assert_allclose(_step_by_step_logits(served, source, target), model((source, target)).numpy(),
+                               atol=1e-5)
+    mask = tf.not_equal(source, 0)
+    cache = served.init_decoding_cache(served.encode(source, training=False), 0)
+    graph = tf.function(lambda ids, cache: step.decode_step(served, ids, 0, mask, cache)).get_concrete_function(
+        tf.constant(target[:, 0]), cache).graph
+    reads_a_block = _reads_of(graph, served.output_projection.kernels)
+    output_matmuls = [op for op in graph.get_operations()
+                      if op.type in ("MatMul", "BatchMatMulV2") and any(reads_a_block(x) for x in op.inputs)]
+    assert sorted(op.outputs[0].shape[-1] for op in output_matmuls) == [20, 21]
+    first, second = output_matmuls
+    assert first not in _ancestors(second) and second not in _ancestors(first)
+    with pytest.raises(ValueError, match="output_blocks must be >= 1, and 1 for a tied output projection"):
+        engine_model(model, "float32", output_blocks=2) if tied else engine_model(model, "float32", output_blocks=0)
+
+
+def _reads_of(graph, variables):
+    """A predicate: whether a tensor of `graph` is (through identities and casts) a read of one of `variables`."""
+    handles = {id(variable.handle) for variable in variables}
+    placeholders = {internal.name for external, internal in graph.captures if id(external) in handles}
+
+    def reads(tensor):
+        op = tensor.op
+        while op.type in ("Identity", "Cast"):
+            op = op.inputs[0].op
+        return op.type == "ReadVariableOp" and op.inputs[0].name in placeholders
+
+    return reads
+
+
+def _ancestors(op):
+    """Every op whose output `op` reads, directly or not."""
+    seen, todo = set(), [op]
+    while todo:
+        for x in todo.pop().inputs:
+            if x.op not in seen:
+                seen.add(x.op)
+                todo.append(x.op)
+    return seen
+
+
 def test_a_cache_of_free_length_grows_in_a_while_loop():
     """Inside `tf.while_loop` with the cache length left free, each write appends (no mask needed)."""
     rng = np.random.default_rng(5)
