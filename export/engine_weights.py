@@ -92,26 +92,29 @@ class ColumnBlocks:
         blocks: the number of column blocks (`units` split as evenly as `numpy.array_split` splits it).
 
     Input `[..., d_in]` -> output `[..., units]`, computed as `dense` computes it: `x @ kernel + bias` in
-    the input's dtype.
+    the input's dtype (a bias of zeros is not added).
     """
 
     def __init__(self, dense, blocks):
         kernel = _numpy(dense.kernel)
         bias = _numpy(dense.bias) if dense.use_bias else None
         columns = np.array_split(np.arange(kernel.shape[1]), blocks)
+        self.units = kernel.shape[1]
         self.kernels = [tf.Variable(kernel[:, c], trainable=False, name=f"output_block_{i}_kernel")
                         for i, c in enumerate(columns)]
-        self.biases = None if bias is None else [
+        # A zero bias (an untied copy of a tied embedding's) is left out: one op less per block and step.
+        self.biases = None if bias is None or not bias.any() else [
             tf.Variable(bias[c], trainable=False, name=f"output_block_{i}_bias") for i, c in enumerate(columns)]
 
     def __call__(self, x):
+        # 2-D matmuls on rows: Keras' matmul of a `[rows, 1, d]` input is a tensordot of some twenty shape
+        # ops, which each block would repeat at every step.
+        rows = tf.reshape(x, [-1, x.shape[-1]])
         outputs = []
         for i, kernel in enumerate(self.kernels):
-            y = keras.ops.matmul(x, keras.ops.cast(kernel, x.dtype))
-            if self.biases is not None:
-                y = keras.ops.add(y, keras.ops.cast(self.biases[i], x.dtype))
-            outputs.append(y)
-        return keras.ops.concatenate(outputs, axis=-1)
+            y = tf.matmul(rows, tf.cast(kernel, x.dtype))
+            outputs.append(y if self.biases is None else tf.nn.bias_add(y, tf.cast(self.biases[i], x.dtype)))
+        return tf.reshape(tf.concat(outputs, axis=-1), tf.concat([tf.shape(x)[:-1], [self.units]], axis=0))
 
 
 def assign_by_path(model, values):
