@@ -53,7 +53,7 @@ def engine_model(model, dtype=None, untie_output_projection=False, output_blocks
     """
     dtype = model.dtype_policy.name if dtype is None else dtype
     untie = untie_output_projection and model.output_projection is None
-    if output_blocks < 1 or (output_blocks > 1 and not (untie or model.output_projection is not None)):
+    if output_blocks < 1 or (output_blocks > 1 and model.output_projection is None and not untie_output_projection):
         raise ValueError(f"output_blocks must be >= 1, and 1 for a tied output projection (pass "
                          f"untie_output_projection=True); got {output_blocks}")
     if dtype == model.dtype_policy.name and not untie and output_blocks == 1:

@@ -359,9 +359,10 @@ class Translator(tf.Module):
         decoding loop); with `xla_max_batch`, small
         batches under XLA in float32; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
+        parallel_loops, _ = decode_loops(parallel_loops)  # "auto" becomes the number the loops and blocks share
         # One column block of the output projection per decoding loop, for the threads a lone loop leaves idle.
         model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True,
-                             output_blocks=decode_loops(parallel_loops)[0])
+                             output_blocks=parallel_loops)
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),

@@ -178,16 +178,20 @@ def test_the_step_equals_the_full_pass(kwargs):
 GROWING = step.GraphAttentionOps(growing_cache=True)
 
 
+def _producer(tensor, passing=("Identity", "Cast")):
+    """The op that made `tensor`, looking back through ops of the types in `passing` (which change no value's
+    place in a weight)."""
+    op = tensor.op
+    while op.type in passing:
+        op = op.inputs[0].op
+    return op
+
+
 def _weights_moved(graph):
     """The ops of `graph` that concatenate or transpose a variable's value (through reshapes and casts)."""
-    def from_variable(tensor):
-        op = tensor.op
-        while op.type in ("Reshape", "Identity", "Cast"):
-            op = op.inputs[0].op
-        return op.type == "ReadVariableOp"
-
     return sorted(op.name for op in graph.get_operations()
-                  if op.type in ("ConcatV2", "Transpose") and any(from_variable(x) for x in op.inputs))
+                  if op.type in ("ConcatV2", "Transpose")
+                  and any(_producer(x, ("Reshape", "Identity", "Cast")).type == "ReadVariableOp" for x in op.inputs))
 
 
 def test_a_served_step_reads_its_weights_where_they_are_stored():
@@ -255,9 +259,7 @@ def _reads_of(graph, variables):
     placeholders = {internal.name for external, internal in graph.captures if id(external) in handles}
 
     def reads(tensor):
-        op = tensor.op
-        while op.type in ("Identity", "Cast"):
-            op = op.inputs[0].op
+        op = _producer(tensor)
         return op.type == "ReadVariableOp" and op.inputs[0].name in placeholders
 
     return reads
