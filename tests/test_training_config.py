@@ -227,26 +227,55 @@ def test_precision_flags_force_either_way(tmp_path):
     assert cpu_flags(tmp_path / "missing") == set()
 
 
+def _run_epochs(eta, now, epochs, optimizer=None):
+    """Drive `eta` through `epochs`, [(0-based epoch, seconds it takes, updates it makes)], on the clock `now`."""
+    for epoch, seconds, updates in epochs:
+        eta.on_epoch_begin(epoch)
+        now[0] += seconds
+        if optimizer is not None:
+            optimizer.iterations += updates
+        eta.on_epoch_end(epoch)
+
+
 def test_every_epoch_says_the_time_so_far_and_the_time_left(capsys):
-    """The estimate is the mean epoch time so far times the epochs left; a resumed run counts from its first."""
+    """The estimate is the median time of the recent epochs times the epochs left; a resumed run counts from its
+    first; the process's first epoch (it traces) and a stalled epoch (a paused or crowded run) do not set it."""
     from training.callbacks import EpochETA
 
     now = [100.0]
     eta = EpochETA(epochs=10, clock=lambda: now[0])
     eta.on_train_begin()
-    for epoch, seconds in ((3, 60.0), (4, 120.0)):  # resumed at epoch 4 (0-based 3); epochs of 1 and 2 minutes
-        eta.on_epoch_begin(epoch)
-        now[0] += seconds
-        eta.on_epoch_end(epoch)
-    first, second = capsys.readouterr().out.splitlines()
-    assert first.startswith("[kt-train] epoch 4/10 done: 1.0 min so far, about 6.0 min left (ends around ")
-    assert second.startswith("[kt-train] epoch 5/10 done: 3.0 min so far, about 7.5 min left (ends around ")
+    # Resumed at epoch 4 (0-based 3): a first epoch of 1 minute, then 2 minutes each, and one of 16.
+    _run_epochs(eta, now, [(3, 60.0, 0), (4, 120.0, 0), (5, 120.0, 0), (6, 960.0, 0), (7, 120.0, 0)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[kt-train] epoch 4/10 done: 1.0 min so far, about 6.0 min left (ends around ")
+    assert lines[1].startswith("[kt-train] epoch 5/10 done: 3.0 min so far, about 10.0 min left (ends around ")
+    assert "epoch 7/10 done: 21.0 min so far, about 6.0 min left" in lines[3]  # the median of 2, 2 and 16 minutes
+    assert "epoch 8/10 done: 23.0 min so far, about 4.0 min left" in lines[4]
     budget = EpochETA(epochs=10, max_minutes=5, clock=lambda: now[0])  # a time budget caps the estimate
     budget.on_train_begin()
-    budget.on_epoch_begin(0)
-    now[0] += 60.0
-    budget.on_epoch_end(0)
+    _run_epochs(budget, now, [(0, 60.0, 0)])
     assert "1.0 min so far, about 4.0 min left" in capsys.readouterr().out
+
+
+def test_the_time_left_to_an_update_count_is_the_recent_time_per_update(capsys):
+    """With `max_updates` the estimate is the recent epochs' median time per update times the updates left,
+    where that ends before the epochs do; the first epoch's tracing time is left out."""
+    from types import SimpleNamespace
+
+    from training.callbacks import EpochETA
+
+    now, optimizer = [0.0], SimpleNamespace(iterations=0)
+    eta = EpochETA(epochs=100, max_updates=250, clock=lambda: now[0])
+    eta.set_model(SimpleNamespace(optimizer=optimizer))
+    eta.on_train_begin()
+    # 50 updates an epoch: the first takes 5 minutes (tracing), the next 1 minute each.
+    _run_epochs(eta, now, [(0, 300.0, 50), (1, 60.0, 50), (2, 60.0, 50)], optimizer)
+    lines = capsys.readouterr().out.splitlines()
+    assert "epoch 1/100 (update 50/250) done: 5.0 min so far, about 20.0 min left" in lines[0]
+    assert "epoch 3/100 (update 150/250) done: 7.0 min so far, about 2.0 min left" in lines[2]
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        EpochETA(epochs=10, window=0)
 
 
 def test_progress_bar_on_a_terminal_one_line_per_epoch_in_a_file(tmp_path):

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import time
 
 import keras
@@ -180,37 +181,51 @@ class UpdateBudget(keras.callbacks.Callback):
 class EpochETA(keras.callbacks.Callback):
     """After every epoch, one line: the epochs (and updates) done, the time so far and an estimate of the time left.
 
-    The estimate is this run's mean time per epoch times the epochs left (of
-    `epochs`, counting from the epoch a resumed run starts at); with
-    `max_updates`, its mean time per update times the updates left, where that
-    ends sooner; at most what is left of a `max_minutes` time budget.
-    `epochs` None: no epoch limit (`max_updates` is then required).
+    The estimate is the median time of this process's recent epochs (the last `window`) times the epochs left
+    (of `epochs`, counting from the epoch a resumed run starts at); with `max_updates`, their median time per
+    update times the updates left, where that ends sooner; at most what is left of a `max_minutes` time budget.
+    Recent epochs, because a run's pace changes: the process's first epoch also traces the graphs (it is left out
+    once a later one is timed), and a run that shares its machine, or was paused, runs slower for a while; a
+    median, so that one stalled epoch does not move the estimate. `epochs` None: no epoch limit (`max_updates`
+    is then required).
     """
 
     def __init__(self, epochs: int | None, max_minutes: float | None = None, clock=time.time,
-                 max_updates: int | None = None):
+                 max_updates: int | None = None, window: int = 5):
         super().__init__()
         if epochs is None and max_updates is None:
             raise ValueError("EpochETA needs epochs or max_updates")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.epochs, self.max_minutes, self.clock, self.max_updates = epochs, max_minutes, clock, max_updates
+        self.window = window
 
     def on_train_begin(self, logs=None):
         self.t0, self.first_epoch = self.clock(), None
-        self.first_update = optimizer_updates(self.model) if self.max_updates else 0
+        self.timed = []  # (seconds, updates) of each epoch of this process
+        self.epoch_start = self.t0
+        self.updates_at_start = optimizer_updates(self.model) if self.max_updates else 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.first_epoch is None:
             self.first_epoch = epoch
+        self.epoch_start = self.clock()
+        if self.max_updates:
+            self.updates_at_start = optimizer_updates(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
-        elapsed = self.clock() - self.t0
+        now = self.clock()
+        elapsed = now - self.t0
+        updates = optimizer_updates(self.model) if self.max_updates else 0
+        self.timed.append((now - self.epoch_start, updates - self.updates_at_start))
+        recent = (self.timed[1:] or self.timed)[-self.window:]  # the first epoch traces: left out once another is timed
         lefts, done = [], f"epoch {epoch + 1}" + (f"/{self.epochs}" if self.epochs else "")
         if self.epochs:
-            lefts.append((self.epochs - epoch - 1) * elapsed / (epoch + 1 - self.first_epoch))
+            lefts.append((self.epochs - epoch - 1) * statistics.median(seconds for seconds, _ in recent))
         if self.max_updates:
-            updates = optimizer_updates(self.model)
             done += f" (update {updates:,}/{self.max_updates:,})"
-            lefts.append(max(0, self.max_updates - updates) * elapsed / max(1, updates - self.first_update))
+            per_update = statistics.median(seconds / max(1, n) for seconds, n in recent)
+            lefts.append(max(0, self.max_updates - updates) * per_update)
         left = min(lefts)
         if self.max_minutes:
             left = max(0.0, min(left, self.max_minutes * 60 - elapsed))
