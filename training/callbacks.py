@@ -201,17 +201,12 @@ class EpochETA(keras.callbacks.Callback):
         self.window = window
 
     def on_train_begin(self, logs=None):
-        self.t0, self.first_epoch = self.clock(), None
+        self.t0 = self.clock()
         self.timed = []  # (seconds, updates) of each epoch of this process
-        self.epoch_start = self.t0
-        self.updates_at_start = optimizer_updates(self.model) if self.max_updates else 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self.first_epoch is None:
-            self.first_epoch = epoch
         self.epoch_start = self.clock()
-        if self.max_updates:
-            self.updates_at_start = optimizer_updates(self.model)
+        self.updates_at_start = optimizer_updates(self.model) if self.max_updates else 0
 
     def on_epoch_end(self, epoch, logs=None):
         now = self.clock()
