@@ -33,6 +33,10 @@ SUBPROCESS_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(R
 QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
 # More pieces than the quick model's source limit (QUICK_MODEL_MAX_LENGTH), however the vocabulary cuts it.
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
+# What a server must answer without failing: blanks, 10,000 characters, invalid UTF-8, NUL bytes.
+HOSTILE = ["", " ", "\t \n ", ("A dog runs along the beach while two children watch. " * 200)[:10_000],
+           b"\xff\xfe\xfd", b"ok \x80 bytes", "a\x00b", "\x00"]
+TEXT_SIGNATURES = ("serving_default", "greedy")  # the export's signatures that take text alone
 # The interpreter of each Keras backend's virtualenv (the TF suite runs in its own), and the make target that
 # creates it: JAX and PyTorch each have one without TensorFlow.
 BACKEND_VENVS = {
@@ -321,6 +325,36 @@ def xla_exported(quick_model_dir, tmp_path_factory):
 
     return built_once(tmp_path_factory, "xla-exports",
                       lambda folder: export(quick_model_dir, folder, xla_max_batch=XLA_MAX_BATCH, check_ops=False))
+
+
+def xla_requests():
+    """{test: its requests to `xla_exported`}, for `xla_tf1_runs`: batches on both sides of XLA_MAX_BATCH."""
+    sentences = multi30k_lines("test_2016_flickr.en", 12)
+    hostile = [HOSTILE[:XLA_MAX_BATCH], HOSTILE[XLA_MAX_BATCH:]]  # each part under XLA, the whole without
+    return {"small_batches": [(sig, batch) for sig in ("greedy", "serving_default")
+                              for batch in (sentences[:1], sentences[:3], sentences[:6])],
+            "cpp_loader": [(sig, texts) for sig in TEXT_SIGNATURES for texts in
+                           (sentences[:1], sentences[:XLA_MAX_BATCH + 1], *hostile, HOSTILE, sentences, [])]}
+
+
+@pytest.fixture(scope="session")
+def xla_tf1_runs(xla_exported, tmp_path_factory):
+    """{test: (its xla_requests(), their runs)}: one TF1 session run (TF Serving's loader) of `xla_exported` for the
+    whole test run, shared by the export and C++ loader tests. Why shared: a process that runs the export compiles
+    its XLA decoder anew for each batch size, and that compiling is most of such a run's time."""
+    parts = xla_requests()
+
+    def build(folder):
+        runs = run_tf1(xla_exported, [r for requests in parts.values() for r in requests], folder)["runs"]
+        (folder / "runs.json").write_text(json.dumps(runs), encoding="utf-8")
+        return folder / "runs.json"
+
+    runs = json.loads(built_once(tmp_path_factory, "xla-tf1-runs", build).read_text(encoding="utf-8"))
+    shared = {}
+    for name, requests in parts.items():
+        shared[name], runs = (requests, runs[:len(requests)]), runs[len(requests):]
+    assert runs == []
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_text
 
-from conftest import REPO, SUBPROCESS_ENV, XLA_MAX_BATCH, load_saved_model, multi30k_lines, needs_multi30k, run_tf1
+from conftest import HOSTILE, REPO, SUBPROCESS_ENV, TEXT_SIGNATURES, load_saved_model, multi30k_lines, needs_multi30k
+from conftest import run_tf1
 from export.export_model import WARMUP_BATCHES, WARMUP_FILE
 
 pytestmark = needs_multi30k
@@ -31,9 +32,6 @@ pytestmark = needs_multi30k
 SOURCE = REPO / "tests" / "cpp" / "serving_check.cc"
 BUILD_DIR = REPO / "build" / "cpp"
 OPS_DIR = Path(tensorflow_text.__file__).parent / "python" / "ops"  # tensorflow-text's op libraries
-TEXT_SIGNATURES = ("serving_default", "greedy")
-LONG_TEXT = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
-HOSTILE = ["", " ", "\t \n ", LONG_TEXT, b"\xff\xfe\xfd", b"ok \x80 bytes", "a\x00b", "\x00"]
 
 
 def build_serving_check(build_dir=BUILD_DIR) -> Path:
@@ -316,17 +314,13 @@ def test_a_refused_request_gets_an_error_answer_and_the_loader_serves_on(shared_
         assert [outputs(r) for r in got] == [tf1_outputs(r) for r in python]
 
 
-def test_cpp_loader_runs_the_xla_decoder(serving_check, xla_exported, tmp_path):
+def test_cpp_loader_runs_the_xla_decoder(serving_check, xla_exported, xla_tf1_runs, tmp_path):
     """An export with an XLA decoder for small batches (`kt-export --xla-max-batch`; TF Serving runs it with
     --xla_cpu_compilation_enabled): the C++ loader compiles and runs it, and answers byte for byte as the
     Python session does, hostile input included, at batches on both sides of the threshold."""
-    sentences = multi30k_lines("test_2016_flickr.en", 12)
-    hostile = [HOSTILE[:XLA_MAX_BATCH], HOSTILE[XLA_MAX_BATCH:]]  # each part under XLA, the whole without
-    requests = [(sig, texts) for sig in TEXT_SIGNATURES
-                for texts in (sentences[:1], sentences[:XLA_MAX_BATCH + 1], *hostile, HOSTILE, sentences, [])]
+    requests, python = xla_tf1_runs["cpp_loader"]
     cpp, _ = run_serving_check(serving_check, xla_exported, tmp_path, requests)
-    python = run_tf1(xla_exported, requests, tmp_path)["runs"]
-    for (signature, texts), got, expected in zip(requests, cpp, python):
+    for (signature, texts), got, expected in zip(requests, cpp, python, strict=True):
         assert "error" not in got, got["error"]
         assert outputs(got) == tf1_outputs(expected), (signature, len(texts))
     assert all(translations(cpp[1])) and translations(cpp[2])[:3] == [b""] * 3

@@ -152,7 +152,7 @@ def test_every_op_is_core_tensorflow_or_tensorflow_text(exported):
                                     registered) == ["EagerPyFunc", "NotAnOp", "XlaDynamicUpdateSlice"]
 
 
-def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, xla_exported, tmp_path):
+def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, xla_exported, xla_tf1_runs):
     """kt-export --xla-max-batch 4 (`xla_exported`): through the TF1 session loader (TF Serving's), a batch of 1 to 4
     sentences gets what the engine's search compiled with XLA in float32 gives each sentence alone
     (its source padded to 16 tokens: the batch padding changes nothing), a larger batch what the export
@@ -161,9 +161,10 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
 
     assert 3 <= XLA_MAX_BATCH < 6  # the batches below straddle the threshold
     path = xla_exported
-    texts = _lines("test_2016_flickr.en", 6)
-    requests = [(sig, batch) for sig in ("greedy", "serving_default") for batch in (texts[:1], texts[:3], texts)]
-    served = run_tf1(path, requests, tmp_path)["runs"]
+    requests, served = xla_tf1_runs["small_batches"]
+    texts = requests[-1][1]
+    assert [(sig, len(batch)) for sig, batch in requests] == [(sig, n) for sig in ("greedy", "serving_default")
+                                                              for n in (1, 3, 6)]
 
     model, tokenizer, cfg = load_model_dir(model_dir)
     model = engine_model(model, "float32")
@@ -186,8 +187,12 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
             n = len(run["translation"])
             assert _unb64(run["translation"]) == [t for t, _ in expected[:n]], (signature, n)
             np.testing.assert_allclose(run["score"], [s for _, s in expected[:n]], rtol=1e-5, atol=1e-5)
-    without_xla = run_tf1(exported, [requests[2], requests[5]], tmp_path)["runs"]
-    assert [served[2], served[5]] == without_xla  # 6 sentences: the graph decoder, as without XLA
+    # 6 sentences: the graph decoder, as the export without XLA decodes them (here in process).
+    without_xla = load_saved_model(exported)
+    for signature, run in (("greedy", served[2]), ("serving_default", served[5])):
+        got = without_xla.signatures[signature](text=tf.constant(texts))
+        assert _unb64(run["translation"]) == got["translation"].numpy().tolist(), signature
+        np.testing.assert_allclose(run["score"], got["score"].numpy(), rtol=1e-6, atol=1e-6)
 
     ops = graph_ops.saved_model_ops(path)
     registered = graph_ops.registered_ops()
