@@ -105,7 +105,9 @@ def main(argv=None):
     tokenizer = make_tokenizer(read_tokenizer_proto(run / config["tokenizer_file"]))
     val = make_batches(load_text_pairs(data_spec(config["training"]), "validation"), tokenizer,
                        tokens_per_batch=4096, shuffle=False)
-    batches = [((s.numpy(), ti.numpy()), to.numpy()) for (s, ti), to in val.take(args.batches)]
+    # Read to the end (val is small): a cached dataset left part-read makes TensorFlow warn that the cache was
+    # dropped.
+    batches = [((s.numpy(), ti.numpy()), to.numpy()) for (s, ti), to in val][:args.batches]
     model = kt.Transformer.from_config(config["model_config"])
     model(batches[0][0])
     layers = feed_forward_layers(model)
