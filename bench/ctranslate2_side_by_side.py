@@ -263,9 +263,15 @@ def convert(model, tokenizer_file, config, output_dir, force=False) -> Path:
 def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length, threads):
     """Teacher-forced log-probabilities of `targets`, ours (float32) and CTranslate2's, token by token.
 
-    Returns (max |difference|, mean |difference|, number of tokens, sentences whose tokens differ).
+    Only the pairs whose target, with </s>, fits in `max_source_length` tokens are scored: CTranslate2's
+    `max_input_length` cuts the target there too, where ours would score it whole.
+
+    Returns (max |difference|, mean |difference|, number of tokens, sentences whose tokens differ, pairs skipped).
     """
     sp = spm.SentencePieceProcessor(model_file=str(Path(ct2_dir) / TOKENIZER_FILENAME))
+    fits = [len(ids) + 1 <= max_source_length for ids in sp.encode(targets)]
+    sources = [text for text, ok in zip(sources, fits, strict=True) if ok]
+    targets = [text for text, ok in zip(targets, fits, strict=True) if ok]
     translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32",
                                         intra_threads=threads, inter_threads=1)
     ct2 = translator.score_batch(sp.encode(sources, out_type=str), sp.encode(targets, out_type=str),
@@ -284,7 +290,8 @@ def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length,
     for i, (result, out_ids) in enumerate(zip(ct2, target_out.to_list())):
         token_mismatches += result.tokens != [sp.id_to_piece(t) for t in out_ids]
         differences.extend(np.abs(np.asarray(result.log_probs) - ours[i, :len(out_ids)]))
-    return float(np.max(differences)), float(np.mean(differences)), len(differences), token_mismatches
+    return (float(np.max(differences)), float(np.mean(differences)), len(differences), token_mismatches,
+            fits.count(False))
 
 
 def run_convert(args) -> int:
@@ -295,10 +302,11 @@ def run_convert(args) -> int:
     data = Path(args.data_dir)
     sources = read_lines(data / f"{args.split}.{config['source_lang']}")[:args.check_sentences]
     targets = read_lines(data / f"{args.split}.{config['target_lang']}")[:args.check_sentences]
-    max_diff, mean_diff, tokens, mismatches = check_scores(
+    max_diff, mean_diff, tokens, mismatches, skipped = check_scores(
         model, tokenizer, output, sources, targets, config["max_length"], args.threads)
     ok = max_diff <= args.tolerance and mismatches == 0
-    print(f"Check on {len(sources)} reference translations ({tokens} tokens), teacher forcing: token log-probs "
+    print(f"Check on {len(sources) - skipped} reference translations ({tokens} tokens; {skipped} longer than "
+          f"max_length {config['max_length']} skipped), teacher forcing: token log-probs "
           f"differ by at most {max_diff:.2e} (mean {mean_diff:.2e}); sentences whose tokens differ: {mismatches}. "
           f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g}).")
     return 0 if ok else 1
