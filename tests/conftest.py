@@ -5,13 +5,16 @@ numpy, keras and keras_transformer only at module level; TensorFlow only inside 
 (the quick model, the TF1 loader script).
 """
 
+import atexit
 import base64
 import fcntl
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -189,22 +192,22 @@ def write_lines(path, lines):
     return path
 
 
-# Runs in a fresh interpreter: only tensorflow and tensorflow_text, like the model server
-# (which links TensorFlow's and tensorflow-text's kernels and nothing of Python).
+# Runs in an interpreter of its own that imports only tensorflow and tensorflow_text, like the model server
+# (which links TensorFlow's and tensorflow-text's kernels and nothing of Python). It loads one export into one
+# session, as TF Serving does, then answers request files, one path per line on stdin, one JSON line each on stdout.
 TF1_SCRIPT = r"""
-import base64, json, sys
+import base64, json, sys, traceback
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the sentencepiece ops, as TF Serving links them)
 
-path, requests_file = sys.argv[1], sys.argv[2]
-requests = json.load(open(requests_file))
-# (tensorflow imports keras itself for tf.keras; none of the project's Python is imported)
-loaded_python_modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "training", "export", "tf_keras"})
-results = {"loaded_python_modules": loaded_python_modules, "runs": []}
-with tf.compat.v1.Session(graph=tf.Graph()) as sess:
-    meta_graph = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
-    results["signatures"] = sorted(meta_graph.signature_def)
+
+def answer(sess, meta_graph, signatures, requests):
+    # (tensorflow imports keras itself for tf.keras; none of the project's Python is imported)
+    modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "training", "export", "tf_keras"})
+    results = {"loaded_python_modules": modules, "signatures": signatures, "runs": []}
     for signature_name, texts, extra in requests:
+        if signature_name not in signatures:  # (indexing the protobuf map would add it, empty)
+            raise KeyError(f"no signature {signature_name!r}: the export has {signatures}")
         sig = meta_graph.signature_def[signature_name]
         fetches = {k: v.name for k, v in sig.outputs.items()}
         feed = {sig.inputs["text"].name: [base64.b64decode(t) for t in texts]}
@@ -219,8 +222,36 @@ with tf.compat.v1.Session(graph=tf.Graph()) as sess:
                 run[k] = v.tolist()
             run[k + "_shape"] = list(v.shape)
         results["runs"].append(run)
-json.dump(results, sys.stdout)
+    return results
+
+
+with tf.compat.v1.Session(graph=tf.Graph()) as sess:
+    meta_graph = tf.compat.v1.saved_model.loader.load(sess, ["serve"], sys.argv[1])
+    signatures = sorted(meta_graph.signature_def)
+    for line in sys.stdin:
+        try:
+            results = answer(sess, meta_graph, signatures, json.load(open(line.strip())))
+        except Exception:  # the failing request's test fails with this; the session goes on serving the others
+            results = {"error": traceback.format_exc()[-4000:]}
+        print(json.dumps(results), flush=True)
 """
+
+# The TF1 sessions of this test process, by (saved_model.pb path, its mtime): (process, its stderr file).
+_TF1_SESSIONS = {}
+
+
+@atexit.register
+def _close_tf1_sessions():
+    for proc, stderr in _TF1_SESSIONS.values():
+        try:
+            proc.stdin.close()
+        except OSError:  # it had died
+            pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(stderr.parent, ignore_errors=True)
 
 
 def _b64(text):
@@ -236,16 +267,41 @@ def _extra_inputs(extra):
 
 def run_tf1(saved_model, requests, tmp_path):
     """[(signature, [texts (str or bytes)])] -> the outputs of each run (strings base64-encoded), through the TF1
-    session loader TF Serving uses, in a fresh process. A request may have a third item, its other inputs:
-    {input name: [one value per text]} (strings, or numbers)."""
+    session loader TF Serving uses, in an interpreter that imports nothing but TensorFlow and tensorflow-text. A
+    request may have a third item, its other inputs: {input name: [one value per text]} (strings, or numbers).
+    One session per export for the whole test process, as TF Serving keeps one: its start and the export's load
+    take longer than most tests' requests (a rewritten export loads afresh)."""
+    pb = Path(saved_model).resolve() / "saved_model.pb"
+    key = (pb, pb.stat().st_mtime_ns)
+    if key not in _TF1_SESSIONS:
+        folder = Path(tempfile.mkdtemp(prefix="tf1-session-"))  # its working directory: no project module there
+        stderr = folder / "stderr.txt"
+        env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "PYTHONPATH"}
+        with stderr.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", TF1_SCRIPT, str(pb.parent)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=folder)
+        _TF1_SESSIONS[key] = proc, stderr
+    proc, stderr = _TF1_SESSIONS[key]
     req = tmp_path / "requests.json"
     req.write_text(json.dumps([(request[0], [_b64(t) for t in request[1]],
                                 _extra_inputs(request[2] if len(request) > 2 else {})) for request in requests]))
-    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", TF1_SCRIPT, str(saved_model), str(req)], capture_output=True,
-                          text=True, env=env, cwd=str(tmp_path), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    try:
+        proc.stdin.write(f"{req.resolve()}\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 600)
+    except BrokenPipeError:
+        ready = [proc.stdout]
+    line = proc.stdout.readline() if ready else ""
+    if not line:  # it died, or hangs: its error, and a fresh session for the next test
+        proc.kill()
+        del _TF1_SESSIONS[key]
+        error = stderr.read_text(encoding="utf-8", errors="replace")[-4000:]
+        shutil.rmtree(stderr.parent, ignore_errors=True)
+        pytest.fail(f"The TF1 session of {pb.parent} {'died' if ready else 'did not answer in 600 s'}:\n{error}",
+                    pytrace=False)
+    results = json.loads(line)
+    assert "error" not in results, results["error"]
+    return results
 
 
 # Loaded SavedModels of this test process, by (saved_model.pb path, its mtime): see load_saved_model.
