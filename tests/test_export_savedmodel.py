@@ -4,7 +4,8 @@ One small translator is trained (conftest's `quick_model_dir`: "tiny" preset, a
 few hundred steps on 2,000 Multi30k pairs, so its outputs end with the end id)
 and exported once per session. TF Serving loads SavedModels with the TF1/C++
 session loader, so the main checks run `tf.compat.v1.saved_model.loader.load`
-in a fresh process that imports only tensorflow and tensorflow_text.
+in a process of its own that imports only tensorflow and tensorflow_text
+(conftest's `run_tf1`: one session per export, as the model server keeps one).
 """
 
 import base64
