@@ -269,13 +269,13 @@ def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length,
     Returns (max |difference|, mean |difference|, number of tokens, sentences whose tokens differ, pairs skipped).
     """
     sp = spm.SentencePieceProcessor(model_file=str(Path(ct2_dir) / TOKENIZER_FILENAME))
-    fits = [len(ids) + 1 <= max_source_length for ids in sp.encode(targets)]
-    sources = [text for text, ok in zip(sources, fits, strict=True) if ok]
-    targets = [text for text, ok in zip(targets, fits, strict=True) if ok]
+    target_pieces = sp.encode(targets, out_type=str)
+    fits = [len(pieces) + 1 <= max_source_length for pieces in target_pieces]
+    sources, targets, target_pieces = ([item for item, ok in zip(items, fits, strict=True) if ok]
+                                       for items in (sources, targets, target_pieces))
     translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32",
                                         intra_threads=threads, inter_threads=1)
-    ct2 = translator.score_batch(sp.encode(sources, out_type=str), sp.encode(targets, out_type=str),
-                                 max_input_length=max_source_length)
+    ct2 = translator.score_batch(sp.encode(sources, out_type=str), target_pieces, max_input_length=max_source_length)
 
     source_ids = encode_source(tokenizer, tf.constant(sources), max_source_length).to_tensor(PAD_ID)
     pieces = tf.cast(tokenizer.tokenize(tf.constant(targets)), tf.int32)
