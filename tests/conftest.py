@@ -36,9 +36,10 @@ SUBPROCESS_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(R
 QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
 # More pieces than the quick model's source limit (QUICK_MODEL_MAX_LENGTH), however the vocabulary cuts it.
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
-# What a server must answer without failing: blanks, 10,000 characters, invalid UTF-8, NUL bytes.
-HOSTILE = ["", " ", "\t \n ", ("A dog runs along the beach while two children watch. " * 200)[:10_000],
-           b"\xff\xfe\xfd", b"ok \x80 bytes", "a\x00b", "\x00"]
+# 10,000 characters: far over any model's length limit, and a large request.
+HUGE_TEXT = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
+# What a server must answer without failing: blanks, HUGE_TEXT, invalid UTF-8, NUL bytes.
+HOSTILE = ["", " ", "\t \n ", HUGE_TEXT, b"\xff\xfe\xfd", b"ok \x80 bytes", "a\x00b", "\x00"]
 TEXT_SIGNATURES = ("serving_default", "greedy")  # the export's signatures that take text alone
 # The interpreter of each Keras backend's virtualenv (the TF suite runs in its own), and the make target that
 # creates it: JAX and PyTorch each have one without TensorFlow.

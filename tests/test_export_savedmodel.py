@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import LONG_TEXT, QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
+from conftest import HUGE_TEXT, LONG_TEXT, QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
 from conftest import multi30k_lines as _lines
 from conftest import XLA_MAX_BATCH, load_saved_model, needs_multi30k, run_tf1, write_lines
 from export import graph_ops
@@ -85,14 +85,13 @@ def test_tf1_session_loader_serves_text_like_the_engine_in_process(exported, mod
     """Must-show 1 and 4, and batch invariance (3) through the TF1 loader TF Serving uses."""
     sentences = _lines("val.en", 512)
     few = sentences[:6]
-    long_text = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
-    bad = ["", "   ", "\t \n ", long_text, b"\xff\xfe\xfd", b"caf\xc3", b"ok \x80 bytes", "a\x00b"]
+    bad = ["", "   ", "\t \n ", HUGE_TEXT, b"\xff\xfe\xfd", b"caf\xc3", b"ok \x80 bytes", "a\x00b"]
     replaced = ["\ufffd\ufffd\ufffd", "caf\ufffd", "ok \ufffd bytes"]  # what invalid UTF-8 is replaced with
     # Sentences translated alone, then inside a batch of longer and shorter sentences.
     lengths = [len(s.split()) for s in sentences]
     alone = [sentences[int(np.argmin(lengths))], sentences[int(np.argmax(lengths))], sentences[10]]
     requests = [("serving_default", few), ("greedy", few), ("serving_default", bad),
-                ("serving_default", replaced), ("tokenize", [long_text, "", b"\xff"]),
+                ("serving_default", replaced), ("tokenize", [HUGE_TEXT, "", b"\xff"]),
                 ("serving_default", []), ("serving_default", sentences)]
     requests += [("serving_default", [s]) for s in alone]
     result = run_tf1(exported, requests, tmp_path)
