@@ -146,7 +146,6 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.xla_max_batch < 0:

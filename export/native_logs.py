@@ -6,6 +6,15 @@ from C++, before `TF_CPP_MIN_LOG_LEVEL` applies (TensorFlow 2.21 writes every
 message logged before `absl::InitializeLog()` to stderr). The commands import
 TensorFlow inside `quiet_native_logs()`, which sends file descriptor 2 to a
 temporary file meanwhile and shows what it caught only if the import fails.
+
+After the import, TensorFlow's C++ logging goes on, at every level: tf.data's
+INFO and WARNING lines as a split is read, and an ERROR-level line from the
+oneDNN graph rewrite ("oneDNN supports DT_INT64 only on platforms with
+AVX-512. Falling back to the default Eigen-based implementation") the first
+time a search runs. None of these is an error of the command's (a real one
+raises, and the command prints it). `TF_CPP_MIN_LOG_LEVEL`, read once as
+TensorFlow loads, hides them: the commands set it to 3 before the import,
+unless `--verbose` or the user's own value says otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 VERBOSE_HELP = "show TensorFlow's and absl's log lines (hidden by default)"
+LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+# 3: TensorFlow's C++ logs nothing below FATAL. Read once, when TensorFlow loads.
+QUIET_LOG_LEVEL = "3"
 
 
 @contextlib.contextmanager
@@ -59,6 +71,10 @@ def import_tensorflow_quietly(enabled=True):
 def quiet_import_for_commands(module_name):
     """Called at the top of a command's module, before it imports TensorFlow: when the module runs as
     a command (`python -m ...` or a `kt-*` console script), TensorFlow is imported quietly unless the
-    command line has `--verbose`. Imported as a library, nothing changes."""
+    command line has `--verbose`, and TensorFlow's C++ log lines stay hidden afterwards too
+    (`TF_CPP_MIN_LOG_LEVEL`, unless the user set it). Imported as a library, nothing changes."""
     if module_name == "__main__" or Path(sys.argv[0]).name.startswith("kt-"):
-        import_tensorflow_quietly(enabled=not wants_logs(sys.argv[1:]))
+        quiet = not wants_logs(sys.argv[1:])
+        if quiet:
+            os.environ.setdefault(LOG_LEVEL_ENV, QUIET_LOG_LEVEL)
+        import_tensorflow_quietly(enabled=quiet)

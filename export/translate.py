@@ -26,7 +26,6 @@ greedy_prefix), in process or through --server alike; see each flag's help.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -274,7 +273,6 @@ def mode_signature(args, mode) -> str:
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     p = build_parser()
     args = p.parse_args(argv)
     if args.n_best and (args.greedy or args.scores):

@@ -329,6 +329,37 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
     assert "oneDNN custom operations" in loud.stderr or "I0000" in loud.stderr, loud.stderr
 
 
+@pytest.mark.parametrize("command", ["kt-evaluate", "kt-translate"])
+def test_decoding_commands_print_no_tensorflow_log_lines_unless_verbose(command, quick_model_dir, exported):
+    """TensorFlow logs as it reads a split (tf.data INFO and WARNING) and as a search first runs (an ERROR-level
+    line from oneDNN's graph rewrite that is no error). The commands hide those lines themselves, not only when
+    the user has set TF_CPP_MIN_LOG_LEVEL; --verbose shows them, and a value the user set wins."""
+    import re
+
+    log_line = re.compile(r"^[IWE]\d{4} ", re.M)  # absl's C++ log lines: I0000 00:00:... file.cc:123] ...
+    env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if command == "kt-evaluate":
+        args = ["-m", "training.evaluate", "--model-dir", str(quick_model_dir), "--dataset", "multi30k",
+                "--data-dir", str(MULTI30K), "--split", "val", "--max-examples", "8", "--batch-size", "4", "--no-progress", "--output", "/dev/null"]
+        stdin, done = None, "Decoded 8 sentences"
+    else:
+        args = ["-m", "export.translate", "--saved-model", str(exported), "--no-progress"]
+        stdin, done = "A dog runs.\nTwo men sit on a bench.\n", None
+
+    def run(*extra, **env_extra):
+        proc = subprocess.run([sys.executable, *args, *extra], cwd=REPO, env={**env, **env_extra}, input=stdin,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (done or "\n") in proc.stdout and len(proc.stdout.splitlines()) >= 2, proc.stdout
+        return proc.stderr
+
+    quiet = run()
+    assert not log_line.search(quiet), quiet
+    if command == "kt-evaluate":  # tf.data logs on every CPU; oneDNN's line comes only where oneDNN is on
+        assert log_line.search(run("--verbose"))
+        assert log_line.search(run(TF_CPP_MIN_LOG_LEVEL="0"))
+
+
 @pytest.mark.parametrize("user_setting, on", [(None, True), ("0", False)])
 def test_kt_train_turns_onednn_on_unless_the_user_turns_it_off(user_setting, on):
     """TensorFlow leaves its oneDNN kernels off on AVX2-only CPUs, where training is then far slower

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import re
 import sys
 from pathlib import Path
@@ -110,7 +109,6 @@ def average_weights(model, checkpoint_paths) -> None:
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     p = argparse.ArgumentParser(prog="kt-average-checkpoints", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)

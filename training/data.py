@@ -57,9 +57,12 @@ def load_text_pairs(spec: DataSpec, split: str, *, max_examples: int | None = No
             src, tgt = src[:max_examples], tgt[:max_examples]
         return tf.data.Dataset.from_tensor_slices((tf.constant(src), tf.constant(tgt)))
 
+    # TFDS caches a small split in memory as it is read; a `take` after that cache stops it half-filled, and
+    # tf.data warns and throws the part away. Reading part of a split, there is nothing to cache.
+    read_config = tfds.ReadConfig(try_autocache=not max_examples)
     if spec.dataset == "multi30k":
         builder = prepare_multi30k(src_lang, tgt_lang, data_dir=spec.data_dir, tfds_data_dir=tfds_data_dir(spec))
-        ds = builder.as_dataset(split=canonical_split(split), shuffle_files=False)
+        ds = builder.as_dataset(split=canonical_split(split), shuffle_files=False, read_config=read_config)
     else:
         try:
             builder = tfds.builder(spec.dataset, data_dir=tfds_data_dir(spec))
@@ -70,7 +73,7 @@ def load_text_pairs(spec: DataSpec, split: str, *, max_examples: int | None = No
         for lang in (src_lang, tgt_lang):
             if lang not in langs:
                 raise DataError(f"TFDS dataset {spec.dataset!r} has languages {list(langs)}, not {lang!r}.")
-        ds = builder.as_dataset(split=split, shuffle_files=False)
+        ds = builder.as_dataset(split=split, shuffle_files=False, read_config=read_config)
     ds = ds.map(lambda ex: (ex[src_lang], ex[tgt_lang]), num_parallel_calls=tf.data.AUTOTUNE)
     if max_examples:
         ds = ds.take(max_examples)

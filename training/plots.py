@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
-import tensorflow as tf
 
-import keras_transformer as kt
-from export.translator import load_model_dir, read_config
-from keras_transformer.text import END_ID, PAD_ID, START_ID
-from export.tokenizer import decode_output, encode_source
+from export.native_logs import quiet_import_for_commands
+
+# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (export/native_logs.py).
+quiet_import_for_commands(__name__)
+
+import tensorflow as tf  # noqa: E402
+
+import keras_transformer as kt  # noqa: E402
+from export.translator import load_model_dir, read_config  # noqa: E402
+from keras_transformer.text import END_ID, PAD_ID, START_ID  # noqa: E402
+from export.tokenizer import decode_output, encode_source  # noqa: E402
 
 PAPER_D_MODEL, PAPER_WARMUP_STEPS = 512, 4000
 DPI = 150
@@ -273,7 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     args.plot(args)
     return 0

@@ -15,14 +15,11 @@ import sys
 from export.native_logs import quiet_import_for_commands, wants_logs
 from training import ONEDNN_ENV
 
-# Before TensorFlow is imported: keep its C++ INFO lines, and as a command its start-up lines
-# (see export/native_logs.py), out of the terminal.
-if not os.environ.get("TF_CPP_MIN_LOG_LEVEL"):
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 # TensorFlow (since 2.9) turns its oneDNN kernels on by default only on CPUs with AVX512_VNNI, AVX512_BF16
 # or AMX; on an AVX2-only CPU it then trains on its Eigen kernels, much slower (docs/benchmarks-log.md, issue 27).
 # It reads the variable once, when it loads. A value the user set wins (0 turns oneDNN off).
 os.environ.setdefault(ONEDNN_ENV, "1")
+# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (export/native_logs.py).
 quiet_import_for_commands(__name__)
 
 from training.config import resolve_config  # noqa: E402
