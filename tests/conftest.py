@@ -10,6 +10,7 @@ import base64
 import fcntl
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -33,6 +34,11 @@ MULTI30K = Path(os.environ.get("KT_MULTI30K_DIR") or REPO.parent / "shared" / "d
 needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.en").is_file(), reason=f"Multi30k not found in {MULTI30K}")
 # For subprocesses that import the project from this checkout.
 SUBPROCESS_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
+# As a user's shell runs a command: TensorFlow's log level not set, so the command's own setting is what shows.
+COMMAND_ENV = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+# An absl log line of TensorFlow's C++ ("I0000 00:00:1795909414.482418   21382 tf_record_dataset_op.cc:396] ..."),
+# at any level; not only at a line's start, as it may follow a progress bar's "\r".
+TF_LOG_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\]")
 QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
 # More pieces than the quick model's source limit (QUICK_MODEL_MAX_LENGTH), however the vocabulary cuts it.
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
