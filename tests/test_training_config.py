@@ -3,6 +3,7 @@ TensorFlow's oneDNN kernels in kt-train."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -330,24 +331,36 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
     assert "oneDNN custom operations" in loud.stderr or "I0000" in loud.stderr, loud.stderr
 
 
-def test_kt_evaluate_prints_no_tensorflow_log_lines_unless_asked(quick_model_dir):
+def test_kt_evaluate_prints_no_tensorflow_log_lines(quick_model_dir):
     """TensorFlow logs as it reads a split (tf.data's INFO and WARNING lines) and as a search first runs (an
     ERROR-level line from oneDNN's graph rewrite that is no error). kt-evaluate hides them itself, not only when
-    the user has set TF_CPP_MIN_LOG_LEVEL; a value the user sets wins. (`--verbose`: the test above;
-    kt-translate: tests/test_export_clients.py.)"""
+    the user has set TF_CPP_MIN_LOG_LEVEL. (`--verbose`: the test above; kt-translate:
+    tests/test_export_clients.py; a user's own level: the test below.)"""
     args = [sys.executable, "-m", "training.evaluate", "--model-dir", str(quick_model_dir), "--dataset", "multi30k",
             "--data-dir", str(MULTI30K), "--split", "val", "--max-examples", "8", "--batch-size", "4",
             "--no-progress", "--output", "/dev/null"]
+    proc = subprocess.run(args, cwd=REPO, env=COMMAND_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Decoded 8 sentences" in proc.stdout, proc.stderr[-3000:]
+    assert not TF_LOG_LINE.search(proc.stderr), proc.stderr[-3000:]
 
-    def stderr(**env):
-        proc = subprocess.run(args, cwd=REPO, env={**COMMAND_ENV, **env}, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0 and "Decoded 8 sentences" in proc.stdout, proc.stderr[-3000:]
-        return proc.stderr
 
-    quiet = stderr()
-    assert not TF_LOG_LINE.search(quiet), quiet
-    assert TF_LOG_LINE.search(stderr(TF_CPP_MIN_LOG_LEVEL="0"))  # tf.data's INFO lines, on every CPU
+@pytest.mark.parametrize("argv, user_level, level", [
+    (["kt-evaluate"], None, "3"),                  # a command hides TensorFlow's C++ log lines
+    (["kt-evaluate"], "0", "0"),                   # a level the user set wins
+    (["kt-evaluate", "--verbose"], None, None),    # --verbose leaves TensorFlow's own default: every line
+    (["kt-train", "--verbose", "2"], None, None),
+])
+def test_commands_set_tensorflows_log_level_before_it_loads(argv, user_level, level, monkeypatch):
+    """What `quiet_import_for_commands` leaves in TF_CPP_MIN_LOG_LEVEL, which TensorFlow reads as it loads."""
+    import export.native_logs as native_logs
+
+    monkeypatch.setattr(native_logs, "import_tensorflow_quietly", lambda enabled: None)
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    if user_level is not None:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", user_level)
+    native_logs.quiet_import_for_commands("__main__")
+    assert os.environ.get("TF_CPP_MIN_LOG_LEVEL") == level
 
 
 @pytest.mark.parametrize("user_setting, on", [(None, True), ("0", False)])
