@@ -31,7 +31,7 @@ from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, rank1_step_logs
+from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, no_step_without_data, rank1_step_logs
 from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
 
@@ -231,6 +231,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     if multi_worker:
         rank1_step_logs(model)
+    no_step_without_data(model)  # else each epoch's end counts an update that no batch made
     batches_extra = {"batches": batch_contents} if batch_contents else None
     if is_chief:
         write_config(cfg, model_dir, vocab_size, model, policy, extra=batches_extra)

@@ -51,6 +51,29 @@ def rank1_step_logs(model) -> None:
     model.test_step = rank1(model.test_step)
 
 
+def no_step_without_data(model) -> None:
+    """Makes every op of a training step wait for its batch (Keras 3.15's TensorFlow trainer).
+
+    On a dataset of unknown length (bucketed batches), fit() learns that an epoch
+    has ended when a step's `iterator.get_next()` raises OutOfRangeError, in the
+    same graph as the step. The step's ops that do not read the batch run before
+    that error ends it: the optimizer's `_iterations.assign_add(1)`
+    (`BaseOptimizer.apply`), and with gradient accumulation the accumulators'
+    reset where the counter says an update is due. So every epoch's end counted
+    an optimizer step that made no update, which moved the learning-rate
+    schedule and `--max-updates` off the batches, and with accumulation summed
+    gradients were lost. Traced under a control dependency on the batch's
+    tensors, no op of the step runs without a batch. With a dataset of known
+    length (`--steps-per-epoch`), and on JAX and PyTorch, there is no such step.
+    """
+    step = model.train_step
+
+    def wrapped(data):
+        with tf.control_dependencies([t for t in tf.nest.flatten(data) if t is not None]):
+            return step(data)
+
+    model.train_step = wrapped
+
 class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` with its private state (Keras 3.15) under public names.
 
@@ -139,3 +162,4 @@ class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):
         super().on_epoch_begin(epoch, logs)
         if self.verbose:
             print(f"Epoch {epoch + 1} (to update {self.max_updates:,})", flush=True)
+
