@@ -30,6 +30,7 @@ def _backups(tmp_path):
     for epoch in (1, 2):
         for w in model.weights:
             w.assign(np.full(w.shape, float(epoch), w.dtype.name if hasattr(w.dtype, "name") else w.dtype))
+        model.optimizer.iterations.assign(10 * epoch)  # each pair's metadata records its step
         backup.current_epoch = epoch
         backup.save_backup()
         saved[epoch] = _weights(model)
@@ -73,6 +74,20 @@ def test_a_damaged_backup_falls_back_to_the_previous_one(tmp_path, capsys, damag
         np.testing.assert_array_equal(ours, theirs)
     # The good pair is the current one again: the next backup moves it to "previous", not the damaged one.
     assert original.weights_path.read_bytes() == original.previous_paths[0][1].read_bytes()
+
+
+def test_a_pair_cut_in_two_falls_back_to_the_previous_one(tmp_path, capsys):
+    """A kill between a backup's two renames leaves the new weights (step 20) beside the old metadata (step 10):
+    kt-train resumes from the previous pair, not from weights of one step with another's epoch and batch."""
+    import shutil
+
+    original, saved = _backups(tmp_path)
+    shutil.copyfile(original.previous_paths[1][1], original.metadata_path)  # the current pair: new weights, old metadata
+    backup, model, out = _restore(tmp_path, capsys)
+    assert f"cannot read the backup {original.weights_path}" in out and "(the previous one)" in out
+    assert backup.resumed["step"] == 10 and int(model.optimizer.iterations.numpy()) == 10
+    for ours, theirs in zip(_weights(model), saved[1]):
+        np.testing.assert_array_equal(ours, theirs)
 
 
 def test_no_readable_backup_names_the_files_and_how_to_start_fresh(tmp_path, capsys):

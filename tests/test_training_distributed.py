@@ -288,11 +288,14 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
         _wait_all(procs, 30)
 
     # A worker killed between the chief's backup and its own is one backup behind; make sure this run has
-    # that case (it usually happens by itself: the chief writes first).
+    # that case (it usually happens by itself: the chief writes first). The previous pair put in place is the
+    # chief's: worker 2 was killed at any moment, maybe between moving its weights and its metadata to the
+    # previous pair, which a resume refuses; the chief, blocked in a collective, was not. Under
+    # MultiWorkerMirroredStrategy every worker holds the same weights and optimizer state.
     chief, other = model_dir / "backup", model_dir / ".worker-1" / "backup"
     if _read_meta(other / "training_metadata.json") == _read_meta(chief / "training_metadata.json"):
         for name in ("latest.weights.h5", "training_metadata.json"):
-            shutil.copyfile(other / f"{name}.bkp", other / name)
+            shutil.copyfile(chief / f"{name}.bkp", other / name)
     behind = _read_meta(other / "training_metadata.json")
     assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
 

@@ -119,7 +119,8 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
 
     def load_backup(self, weights_path, metadata_path) -> dict:
         """Restores the model (and optimizer) from one backup pair as Keras' `_load_model` does,
-        and sets the epoch `fit` starts at; returns the metadata. Raises if either file is unreadable."""
+        and sets the epoch `fit` starts at; returns the metadata. Raises if either file is unreadable, or if
+        the two are of different optimizer steps."""
         meta = json.loads(Path(metadata_path).read_text())
         epoch = int(meta["epoch"])
         if self.model.optimizer is not None and not self.model.optimizer.built:
@@ -134,6 +135,13 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
                 self.model.load_weights(str(readable))
             finally:
                 readable.unlink()
+        if "step" in meta:
+            # A pair is written and rotated one file after the other, so a kill between the two leaves new weights
+            # beside old metadata (or the reverse): refused, as an unreadable pair is, so the other pair is used.
+            loaded = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            if loaded != int(meta["step"]):
+                raise ValueError(f"its weights are of optimizer step {loaded}, its metadata "
+                                 f"({Path(metadata_path).name}) of step {meta['step']}: a pair cut in two")
         self.model._initial_epoch = epoch
         return meta
 
