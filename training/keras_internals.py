@@ -76,6 +76,7 @@ def no_step_without_data(model) -> None:
 
     model.train_step = wrapped
 
+
 class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` with its private state (Keras 3.15) under public names.
 
@@ -172,4 +173,3 @@ class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):
         super().on_epoch_begin(epoch, logs)
         if self.verbose:
             print(f"Epoch {epoch + 1} (to update {self.max_updates:,})", flush=True)
-
