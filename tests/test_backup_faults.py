@@ -82,7 +82,8 @@ def test_a_pair_cut_in_two_falls_back_to_the_previous_one(tmp_path, capsys):
     import shutil
 
     original, saved = _backups(tmp_path)
-    shutil.copyfile(original.previous_paths[1][1], original.metadata_path)  # the current pair: new weights, old metadata
+    # The current pair: the new weights, the old metadata.
+    shutil.copyfile(original.previous_paths[1][1], original.metadata_path)
     backup, model, out = _restore(tmp_path, capsys)
     assert f"cannot read the backup {original.weights_path}" in out and "(the previous one)" in out
     assert backup.resumed["step"] == 10 and int(model.optimizer.iterations.numpy()) == 10

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import COMMAND_ENV, LONG_TEXT, REPO, SUBPROCESS_ENV as ENV, TF_LOG_LINE
+from conftest import COMMAND_ENV, LONG_TEXT, REPO, TF_LOG_LINE
 from conftest import load_saved_model, needs_multi30k, write_lines
 from conftest import multi30k_lines as _lines
 
@@ -44,7 +44,8 @@ def test_kt_translate_cli(exported, tmp_path):
     source.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "out.de"
     proc = subprocess.run([sys.executable, "-m", "export.translate", "--saved-model", str(exported.parent),
-                           "--input", str(source), "--output", str(out), "--batch-size", "8", "--scores"], capture_output=True, text=True, env=COMMAND_ENV, cwd=str(REPO), timeout=300)
+                           "--input", str(source), "--output", str(out), "--batch-size", "8", "--scores"],
+                          capture_output=True, text=True, env=COMMAND_ENV, cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sent" in proc.stderr  # the progress bar: more lines than one batch
     assert not TF_LOG_LINE.search(proc.stderr), proc.stderr[-3000:]
