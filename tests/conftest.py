@@ -272,6 +272,17 @@ def _extra_inputs(extra):
             for name, values in extra.items()}
 
 
+def split_runs(runs, sizes):
+    """The runs of requests that were sent in one go, cut back into consecutive parts of `sizes` requests (one run
+    per request, in order) -> [list of runs]; every run belongs to a part."""
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(runs[start:start + size])
+        start += size
+    assert start == len(runs), f"{len(runs)} runs for {start} requests"
+    return parts
+
+
 def run_tf1(saved_model, requests, tmp_path):
     """[(signature, [texts (str or bytes)])] -> the outputs of each run (strings base64-encoded), through the TF1
     session loader TF Serving uses, in an interpreter that imports nothing but TensorFlow and tensorflow-text. A
@@ -413,11 +424,8 @@ def xla_tf1_runs(xla_exported, tmp_path_factory):
         return folder / "runs.json"
 
     runs = json.loads(built_once(tmp_path_factory, "xla-tf1-runs", build).read_text(encoding="utf-8"))
-    shared = {}
-    for name, requests in parts.items():
-        shared[name], runs = (requests, runs[:len(requests)]), runs[len(requests):]
-    assert runs == []
-    return shared
+    return {name: (requests, part) for (name, requests), part in
+            zip(parts.items(), split_runs(runs, [len(requests) for requests in parts.values()]), strict=True)}
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ import tensorflow as tf
 import tensorflow_text
 
 from conftest import HOSTILE, REPO, SUBPROCESS_ENV, TEXT_SIGNATURES, load_saved_model, multi30k_lines, needs_multi30k
-from conftest import run_tf1
+from conftest import run_tf1, split_runs
 from export.export_model import WARMUP_BATCHES, WARMUP_FILE
 
 pytestmark = needs_multi30k
@@ -188,12 +188,12 @@ def shared_runs(serving_check, exported, tmp_path_factory):
     python_requests = records + [r for _, python in parts.values() for r in python]
     cpp, _ = run_serving_check(serving_check, exported, tmp, requests, warmup=True)
     python = run_tf1(exported, python_requests, tmp)["runs"]
-    runs = {"warmup": (records, cpp[:len(records)], python[:len(records)])}
-    cpp, python = cpp[len(records):], python[len(records):]
-    for name, (cpp_requests, python_part) in parts.items():
-        runs[name] = (cpp_requests, cpp[:len(cpp_requests)], python[:len(python_part)])
-        cpp, python = cpp[len(cpp_requests):], python[len(python_part):]
-    assert cpp == [] and python == []
+    cpp_parts = split_runs(cpp, [len(records)] + [len(cpp_requests) for cpp_requests, _ in parts.values()])
+    python_parts = split_runs(python, [len(records)] + [len(python_part) for _, python_part in parts.values()])
+    runs = {"warmup": (records, cpp_parts[0], python_parts[0])}
+    for (name, (cpp_requests, _)), cpp_part, python_part in zip(parts.items(), cpp_parts[1:], python_parts[1:],
+                                                                 strict=True):
+        runs[name] = (cpp_requests, cpp_part, python_part)
     return runs
 
 
