@@ -199,7 +199,8 @@ def test_an_epoch_of_unknown_length_makes_the_updates_of_one_of_known_length(acc
     step whose batch never comes, and the step's ops that do not read the batch run: the optimizer's step counter
     gains one, with no update, and with accumulation the summed gradients are reset
     (training/keras_internals.py). The learning rate follows that counter, so the run drifts from one on the same
-    batches of known length. With `no_step_without_data`, as kt-train runs fit(), the two runs are one."""
+    batches of known length. With `no_step_without_data`, as kt-train runs fit(), the two runs are one; so they are
+    when the dataset is told its length, as docs/library.md advises users of their own fit()."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -228,6 +229,11 @@ def test_an_epoch_of_unknown_length_makes_the_updates_of_one_of_known_length(acc
     assert fixed_steps == steps
     for fixed, expected in zip(fixed_weights, weights):
         np.testing.assert_array_equal(fixed, expected)
+    # What docs/library.md tells users of their own fit(): give the dataset its length, counted once.
+    told_steps, told_weights = fit(unknown.apply(tf.data.experimental.assert_cardinality(5)))
+    assert told_steps == steps
+    for told, expected in zip(told_weights, weights):
+        np.testing.assert_array_equal(told, expected)
     # Keras' own run. Should this fail after a Keras upgrade, Keras no longer runs the step without its batch, and
     # no_step_without_data can go.
     _, drifted_weights = fit(unknown)
