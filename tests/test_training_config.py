@@ -79,8 +79,10 @@ def test_settings_out_of_range_are_one_clear_error(tmp_path):
 
 def test_shipped_best_recipe_is_the_anchors():
     """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (issue 41), but for
-    its dropout: 0.1, chosen on val, where the anchor's 0.3 left the model underfitting on CPU (training/README)."""
+    two settings chosen on val (training/README): dropout 0.1, where the anchor's 0.3 left the model underfitting on
+    CPU, and 8,000 joint pieces, where the anchor's 10,000 overfit."""
     cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k-best.json")])
+    assert cfg["vocab_size"] == 8000 and not cfg["tokenizer"]  # one joint vocabulary, trained by the run
     assert cfg["model"] == {"d_model": 128, "num_heads": 4, "d_ff": 256, "num_encoder_layers": 4,
                             "num_decoder_layers": 4, "dropout": 0.1}
     assert cfg["max_updates"] == 8060 and cfg["epochs"] is None and cfg["max_minutes"] is None
