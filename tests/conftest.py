@@ -273,11 +273,11 @@ def _extra_inputs(extra):
 
 
 def split_runs(runs, sizes):
-    """The runs of requests that were sent in one go, cut back into consecutive parts of `sizes` requests (one run
-    per request, in order) -> [list of runs]; every run belongs to a part."""
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(runs[start:start + size])
+    """The runs of requests that were sent in one go, cut back into each part's: `sizes` is {part: its number of
+    requests}, in the order they were sent (one run per request) -> {part: its runs}; every run belongs to a part."""
+    parts, start = {}, 0
+    for name, size in sizes.items():
+        parts[name] = runs[start:start + size]
         start += size
     assert start == len(runs), f"{len(runs)} runs for {start} requests"
     return parts
@@ -424,8 +424,8 @@ def xla_tf1_runs(xla_exported, tmp_path_factory):
         return folder / "runs.json"
 
     runs = json.loads(built_once(tmp_path_factory, "xla-tf1-runs", build).read_text(encoding="utf-8"))
-    return {name: (requests, part) for (name, requests), part in
-            zip(parts.items(), split_runs(runs, [len(requests) for requests in parts.values()]), strict=True)}
+    split = split_runs(runs, {name: len(requests) for name, requests in parts.items()})
+    return {name: (requests, split[name]) for name, requests in parts.items()}
 
 
 @pytest.fixture(scope="session")

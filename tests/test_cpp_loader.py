@@ -184,17 +184,14 @@ def shared_runs(serving_check, exported, tmp_path_factory):
     longer than most of these tests' requests."""
     tmp = tmp_path_factory.mktemp("cpp-shared")
     parts, records = _shared_parts(), warmup_records(exported)
+    named = {"warmup": (records, records), **parts}  # the C++ loader replays the records first; the TF1 run sends them
     requests = [r for cpp_requests, _ in parts.values() for r in cpp_requests]
-    python_requests = records + [r for _, python in parts.values() for r in python]
+    python_requests = [r for _, python_part in named.values() for r in python_part]
     cpp, _ = run_serving_check(serving_check, exported, tmp, requests, warmup=True)
     python = run_tf1(exported, python_requests, tmp)["runs"]
-    cpp_parts = split_runs(cpp, [len(records)] + [len(cpp_requests) for cpp_requests, _ in parts.values()])
-    python_parts = split_runs(python, [len(records)] + [len(python_part) for _, python_part in parts.values()])
-    runs = {"warmup": (records, cpp_parts[0], python_parts[0])}
-    for (name, (cpp_requests, _)), cpp_part, python_part in zip(parts.items(), cpp_parts[1:], python_parts[1:],
-                                                                 strict=True):
-        runs[name] = (cpp_requests, cpp_part, python_part)
-    return runs
+    cpp_runs = split_runs(cpp, {name: len(cpp_requests) for name, (cpp_requests, _) in named.items()})
+    python_runs = split_runs(python, {name: len(python_part) for name, (_, python_part) in named.items()})
+    return {name: (cpp_requests, cpp_runs[name], python_runs[name]) for name, (cpp_requests, _) in named.items()}
 
 
 def test_serving_check_builds_once_and_skips_without_a_compiler(serving_check, monkeypatch, tmp_path):
