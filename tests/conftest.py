@@ -1,8 +1,9 @@
 """Fixtures and helpers shared by the tests (test modules never import each other).
 
 Loaded on every backend (tests/portable runs under KERAS_BACKEND=jax and torch without TensorFlow installed):
-numpy, keras and keras_transformer only at module level; TensorFlow only inside what the TF suite alone calls
-(the quick model, the TF1 loader script).
+numpy, keras and keras_transformer only at module level (and on TensorFlow, TensorFlow itself, imported quietly
+before keras imports it); TensorFlow's API only inside what the TF suite alone calls (the quick model, the TF1
+loader script).
 """
 
 import atexit
@@ -19,6 +20,14 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    # On TensorFlow, `import keras` loads TensorFlow, whose C++ start-up lines ("oneDNN custom operations are
+    # on", "Could not find cuda drivers") are written before TF_CPP_MIN_LOG_LEVEL applies, and each xdist
+    # worker's came out at the end of the run's log. Import it as the commands do.
+    from export.native_logs import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

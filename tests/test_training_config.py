@@ -381,6 +381,17 @@ def test_the_other_commands_keep_tensorflow_start_up_lines_out_unless_verbose(co
     assert "oneDNN custom operations" in loud.stderr or "I0000" in loud.stderr, loud.stderr
 
 
+def test_the_test_suite_prints_no_tensorflow_start_up_lines():
+    """conftest imports TensorFlow as the commands do, so a pytest run on TensorFlow with xdist workers, as
+    `make test` runs it, prints no start-up line of TensorFlow's C++ (they came at the end of every CI log)."""
+    args = [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider", "tests/test_layout.py",
+            "-k", "test_no_measured_figure_in_code"]
+    proc = subprocess.run(args, cwd=REPO, env={**COMMAND_ENV, "KERAS_BACKEND": "tensorflow"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not TF_LOG_LINE.search(proc.stdout + proc.stderr), proc.stderr[-3000:]
+
+
 def test_kt_evaluate_prints_no_tensorflow_log_lines(quick_model_dir):
     """TensorFlow logs as it reads a split (tf.data's INFO and WARNING lines) and as a search first runs (an
     ERROR-level line from oneDNN's graph rewrite that is no error). kt-evaluate hides them itself, not only when
