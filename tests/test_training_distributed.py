@@ -256,12 +256,14 @@ def _wait_all(procs, timeout):
 
 
 @needs_multi30k
-def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
+@pytest.mark.parametrize("lag", ["whole", "cut"])
+def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
     """MultiWorkerMirroredStrategy on 127.0.0.1: worker 2 is SIGKILLed mid-epoch (the chief, blocked in a
     collective, is stopped too, as a job scheduler would), then both start again with the same command.
-    Worker 2 died one backup behind the chief; both resume from the backup both have (not each its own,
-    which deadlocked them), and every planned epoch is trained: two replicas, the same loss logged on both
-    workers (it is averaged over them), model.keras written by the chief."""
+    Worker 2 died one backup behind the chief, its newest pair whole or cut in two; both resume from the
+    backup both have (not each its own, which deadlocked them), and every planned epoch is trained: two
+    replicas, the same loss logged on both workers (it is averaged over them), model.keras written by the
+    chief."""
     src, tgt = _small_corpus(tmp_path, n=300)
     model_dir = tmp_path / "mw"
     epochs, steps = 3, 20
@@ -287,15 +289,18 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
     finally:
         _wait_all(procs, 30)
 
-    # A worker killed between the chief's backup and its own is one backup behind; make sure this run has
-    # that case (it usually happens by itself: the chief writes first). The previous pair put in place is the
-    # chief's: worker 2 was killed at any moment, maybe between moving its weights and its metadata to the
-    # previous pair, which a resume refuses; the chief, blocked in a collective, was not. Under
-    # MultiWorkerMirroredStrategy every worker holds the same weights and optimizer state.
+    # Worker 2, killed between the chief's backup and its own, is one backup behind. The state it is left in
+    # depends on the instant of the kill, so the test puts each in place from the chief's files (under
+    # MultiWorkerMirroredStrategy every worker holds the same weights and optimizer state; the chief, blocked
+    # in a collective, was not writing). "whole": its newest pair is the chief's previous one. "cut": killed
+    # between renaming its new weights and its new metadata, so the chief's newest weights lie beside the
+    # previous metadata, a pair a resume refuses for the previous one.
     chief, other = model_dir / "backup", model_dir / ".worker-1" / "backup"
-    if _read_meta(other / "training_metadata.json") == _read_meta(chief / "training_metadata.json"):
-        for name in ("latest.weights.h5", "training_metadata.json"):
-            shutil.copyfile(chief / f"{name}.bkp", other / name)
+    for name in ("latest.weights.h5", "training_metadata.json"):
+        for target in (f"{name}.bkp", name):
+            shutil.copyfile(chief / f"{name}.bkp", other / target)
+    if lag == "cut":
+        shutil.copyfile(chief / "latest.weights.h5", other / "latest.weights.h5")
     behind = _read_meta(other / "training_metadata.json")
     assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
 
@@ -305,9 +310,14 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path):
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     resumed = [[line for line in out.splitlines() if "[kt-train] resumed from backup" in line] for out in outs]
-    # Both workers resume from the backup both have: the one the lagging worker has.
-    assert resumed[0] and resumed[0] == resumed[1] and f"optimizer step {behind['step']}" in resumed[0][0]
+    assert [len(lines) for lines in resumed] == [1, 1], resumed
+    # Both workers resume from the backup both have, the one the lagging worker has: the same epoch, batch
+    # and step, whichever of its own pairs each read it from.
+    points = [lines[0].split(": ", 1)[1] for lines in resumed]
+    assert points[0] == points[1] and points[0].endswith(f"optimizer step {behind['step']}"), resumed
     assert "another worker's newest backup is older than this worker's" in outs[0]
+    if lag == "cut":
+        assert "cannot read the backup" in outs[1] and "(the previous one)" in resumed[1][0], outs[1][-3000:]
     summaries = [json.loads(out.split("[kt-train] done ")[1].splitlines()[0]) for out in outs]
     for i, (out, summary) in enumerate(zip(outs, summaries)):
         assert f"MultiWorkerMirroredStrategy, worker {i + 1}/2" in out and summary["replicas"] == 2
