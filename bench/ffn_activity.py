@@ -30,6 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from export.native_logs import quiet_import_for_commands  # noqa: E402
+
+quiet_import_for_commands(__name__)  # before keras: TensorFlow's C++ log lines are not this table's
+
 import keras  # noqa: E402
 import keras_transformer as kt  # noqa: E402
 from export.tokenizer import make_tokenizer  # noqa: E402
