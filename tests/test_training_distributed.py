@@ -147,6 +147,16 @@ def _train_cmd(model_dir, src, tgt, *extra):
 # 2. SIGKILL mid-epoch, restart, resume from the backup, finish the planned epochs.
 
 
+# kt-train's line for a resume (training/callbacks.py, `ResumableBackup.on_train_begin`).
+RESUMED = re.compile(r"\[kt-train\] resumed from backup(?P<previous> \(the previous one\))?: epoch (?P<epoch>\d+) "
+                     r"\(backup taken after batch (?P<batch>\d+) of it\), optimizer step (?P<step>\d+)")
+
+
+def _resumes(out):
+    """Each resume kt-train logged in `out`: (epoch (1-based), batch, optimizer step, read from the previous pair)."""
+    return [(int(m["epoch"]), int(m["batch"]), int(m["step"]), bool(m["previous"])) for m in RESUMED.finditer(out)]
+
+
 def _read_meta(path):
     try:
         return json.loads(path.read_text())
@@ -192,10 +202,10 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     out = proc2.stdout + proc2.stderr
     assert proc2.returncode == 0, out[-3000:]
     # Resumed from the mid-epoch backup: its epoch and optimizer step, not from zero. A kill between renaming
-    # the new weights and the new metadata leaves the metadata of the previous pair, which is then read.
-    assert re.search(r"\[kt-train\] resumed from backup( \(the previous one\))?: " + re.escape(
-        f"epoch {killed_at['epoch'] + 1} (backup taken after batch {killed_at['batch']} of it), "
-        f"optimizer step {killed_at['step']}"), out), out[-3000:]
+    # the new weights and the new metadata leaves a pair cut in two, which a resume refuses for the previous
+    # pair: the same point as the metadata read above.
+    resumes = _resumes(out)
+    assert [r[:3] for r in resumes] == [(killed_at["epoch"] + 1, killed_at["batch"], killed_at["step"])], out[-3000:]
     summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
     # Keras restarts the interrupted epoch from its first batch, with the optimizer's step count of the backup.
     if max_updates:  # ... and stops at the same update as an uninterrupted run, in whichever epoch that falls
@@ -311,22 +321,22 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
     outs = [(tmp_path / f"run2-worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    resumed = [[line for line in out.splitlines() if "[kt-train] resumed from backup" in line] for out in outs]
-    assert [len(lines) for lines in resumed] == [1, 1], resumed
+    resumes = [_resumes(out) for out in outs]
+    assert [len(r) for r in resumes] == [1, 1], resumes
     # Both workers resume from the backup both have, the one the lagging worker has: the same epoch, batch
     # and step, whichever of its own pairs each read it from.
-    points = [lines[0].split(": ", 1)[1] for lines in resumed]
-    assert points[0] == points[1] and points[0].endswith(f"optimizer step {behind['step']}"), resumed
+    chief_resume, other_resume = resumes[0][0], resumes[1][0]
+    epoch, batch, step, _ = chief_resume
+    assert other_resume[:3] == (epoch, batch, step) and step == behind["step"], resumes
     assert "another worker's newest backup is older than this worker's" in outs[0]
     if lag == "cut":
-        assert "cannot read the backup" in outs[1] and "(the previous one)" in resumed[1][0], outs[1][-3000:]
+        assert "cannot read the backup" in outs[1] and other_resume[3], outs[1][-3000:]  # from the previous pair
     summaries = [json.loads(out.split("[kt-train] done ")[1].splitlines()[0]) for out in outs]
     for i, (out, summary) in enumerate(zip(outs, summaries)):
         assert f"MultiWorkerMirroredStrategy, worker {i + 1}/2" in out and summary["replicas"] == 2
     assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=1e-6)
     assert summaries[0]["epochs_run"] == summaries[1]["epochs_run"]
     # The interrupted epoch runs again from its start, continuing the optimizer's step count (as on one process).
-    epoch, step = map(int, re.search(r"epoch (\d+) \(backup.*optimizer step (\d+)", resumed[0][0]).groups())
     assert summaries[0]["epochs_run"] == list(range(epoch, epochs + 1))
     assert summaries[0]["optimizer_steps"] == summaries[1]["optimizer_steps"] == step + (epochs - epoch + 1) * steps
     # Every planned epoch is in the history, none lost (the interrupted one appears twice: it ran again).
