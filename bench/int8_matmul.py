@@ -35,12 +35,14 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from export.native_logs import quiet_import_for_commands  # noqa: E402
+
+quiet_import_for_commands(__name__)  # before TensorFlow: its C++ start-up lines are not this table's
+
+import tensorflow as tf  # noqa: E402
 from keras_transformer.hardware import cpu_flags  # noqa: E402
 from training import ONEDNN_ENV  # noqa: E402
 
