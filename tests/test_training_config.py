@@ -166,12 +166,61 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
     args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
             "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
             "--verbose", "0"]
-    train(resolve_config(args + ["--epochs", "1"]))
+    train(resolve_config(args + ["--epochs", "2"]))
     finished = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    # Its backup is gone, so a second run would start at epoch 1 over the first one's files.
-    with pytest.raises(ConfigError, match=r"holds a finished run .*--init-from"):
-        train(resolve_config(args + ["--epochs", "2"]))
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == finished
+    # Its backup is gone, so a second run would start at epoch 1 over the first one's files; a bound it has
+    # already reached has nothing to continue.
+    for bound in (["--epochs", "2"], ["--epochs", "1"], ["--epochs", "3", "--max-updates", "4"]):
+        with pytest.raises(ConfigError, match=r"holds a finished run \(.*\) \(it made 4 updates in 2 epochs\).*"
+                           r"larger --max-updates or --epochs.*--init-from"):
+            train(resolve_config(args + bound))
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == finished
+
+
+@needs_multi30k
+def test_a_finished_run_continues_from_its_last_state_to_a_larger_bound(tmp_path, capsys):
+    """fairseq's behaviour when --max-update is raised: the run goes on from where it stopped, optimizer included."""
+    import keras
+
+    from training.callbacks import ResumableBackup
+    from training.fit import build_and_compile, continue_finished_run, train
+
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
+            "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
+            "--verbose", "0"]
+    # 3 updates: epoch 1, then 1 update into epoch 2 (its checkpoint is written as the update bound stops it).
+    first = train(resolve_config(args + ["--max-updates", "3"]))
+    assert first["optimizer_steps"] == 3 and first["epochs_run"] == [1, 2]
+
+    # The backup it continues from holds the finished run's weights and optimizer state, every variable of them.
+    cfg = resolve_config(args + ["--max-updates", "6"])
+    continue_finished_run(cfg, run, run)
+    assert "finished at update 3 (epoch 2): continuing it from epoch-002.weights.h5" in capsys.readouterr().out
+    finished = keras.models.load_model(run / "model.keras", compile=True)
+    vocab_size = json.loads((run / "config.json").read_text())["vocab_size"]
+    fresh = build_and_compile(cfg, vocab_size)
+    backup = ResumableBackup(run / "backup")
+    backup.set_model(fresh)
+    assert backup.load_backup(backup.weights_path, backup.metadata_path) == {"epoch": 2, "batch": 0, "step": 3}
+    for name, mine, theirs in (("weights", fresh.weights, finished.weights),
+                               ("optimizer", fresh.optimizer.variables, finished.optimizer.variables)):
+        assert len(mine) == len(theirs) > 0, name
+        for a, b in zip(mine, theirs):
+            assert keras.ops.convert_to_numpy(a).tolist() == keras.ops.convert_to_numpy(b).tolist(), (name, a.path)
+    assert int(keras.ops.convert_to_numpy(fresh.optimizer.iterations)) == 3
+
+    # The run then goes on to the new bound, numbering its epochs after the finished ones.
+    summary = train(cfg)
+    assert summary["resumed_from"] == {"epoch": 2, "batch": 0, "step": 3}
+    assert summary["optimizer_steps"] == 6 and summary["epochs_run"] == [3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        f"epoch-00{e}.weights.h5" for e in (1, 2, 3, 4)]
+    rows = (run / "history.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "3"]
+    assert not (run / "backup").exists() and not (run / "backup.continue").exists()
+    assert json.loads((run / "config.json").read_text())["last_run"]["optimizer_steps"] == 6
 
 
 @needs_multi30k

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -22,9 +23,10 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import keras_transformer as kt
-from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME, read_config
 from keras_transformer.text import check_special_ids, read_tokenizer_proto, train_sentencepiece, vocab_size_of
 from export.tokenizer import make_tokenizer
+from training.average_checkpoints import epoch_checkpoints
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, ValidationBLEU
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
@@ -146,6 +148,43 @@ def fit_verbosity(setting, stream=sys.stdout) -> int:
     return int(setting)
 
 
+def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
+    """Training into a finished run (its model.keras written, its backup deleted) with a larger
+    `--max-updates` or `--epochs` continues it, as fairseq does when `--max-update` is raised.
+
+    The run's last epoch checkpoint holds its weights and its optimizer's state (Adam's moments and
+    step) as they were when it stopped; it becomes the backup this run resumes from, as if the run had
+    been stopped there. The paper's learning-rate schedule depends on the update count alone, so the
+    run goes on as one started with the larger bound would have, but for the data order after the
+    resume (as after any resume). Writes `out_dir/backup`; a `ConfigError` when the bounds are not
+    larger than what the run did (training would otherwise start over at epoch 1 on top of it).
+    """
+    done = read_config(model_dir).get("last_run") or {}
+    steps = done.get("optimizer_steps")
+    checkpoints = epoch_checkpoints(out_dir)
+    epochs, last = checkpoints[-1] if checkpoints else (None, None)
+    bounds = [(cfg.get("max_updates"), steps), (cfg.get("epochs"), epochs)]
+    larger = [bool(done_so_far is not None and wanted > done_so_far) for wanted, done_so_far in bounds if wanted]
+    if cfg.get("init_from") or steps is None or not checkpoints or not larger or not all(larger):
+        did = f" (it made {steps:,} updates in {epochs} epochs)" if steps is not None and epochs else ""
+        raise ConfigError(
+            f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}){did}, and training into it would "
+            f"start over at epoch 1, overwriting its checkpoints. To continue it with its optimizer state and "
+            f"schedule, run again with a larger --max-updates or --epochs. To fine-tune that model with a fresh "
+            f"optimizer, pass --init-from {model_dir} with another --model-dir; to start over, delete {model_dir} "
+            "or pick another --model-dir.")
+    # Written aside and renamed into place, so that a kill leaves either no backup or a whole one.
+    staging = out_dir / "backup.continue"
+    shutil.rmtree(staging, ignore_errors=True)
+    paths = ResumableBackup(staging)
+    staging.mkdir()
+    shutil.copyfile(last, paths.weights_path)
+    paths.metadata_path.write_text(json.dumps({"epoch": epochs, "batch": 0, "step": steps}))
+    os.replace(staging, out_dir / "backup")
+    print(f"[kt-train] {model_dir} finished at update {steps:,} (epoch {epochs}): continuing it from "
+          f"{last.name}, with its optimizer state", flush=True)
+
+
 def train(cfg: dict, strategy=None) -> dict:
     """Runs training as configured; returns a summary dict (also printed as JSON)."""
     check_settings(cfg)
@@ -159,12 +198,7 @@ def train(cfg: dict, strategy=None) -> dict:
     out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
     if (model_dir / MODEL_FILENAME).exists() and not (out_dir / "backup").exists():
-        # A finished run deletes its backup, so this run would start from epoch 1 and overwrite the
-        # finished run's checkpoints, history and model one by one.
-        raise ConfigError(
-            f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}), and training into it would start "
-            f"over at epoch 1, overwriting its checkpoints. To train that model further, pass --init-from "
-            f"{model_dir} with another --model-dir; to start over, delete {model_dir} or pick another --model-dir.")
+        continue_finished_run(cfg, model_dir, out_dir)
     keras.utils.set_random_seed(cfg["seed"])
     if cfg.get("init_from"):
         # Fine-tuning reuses the vocabulary and architecture of the model it starts from.
