@@ -170,9 +170,11 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
     finished = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     # Its backup is gone, so a second run would start at epoch 1 over the first one's files; a bound it has
     # already reached has nothing to continue.
-    for bound in (["--epochs", "2"], ["--epochs", "1"], ["--epochs", "3", "--max-updates", "4"]):
-        with pytest.raises(ConfigError, match=r"holds a finished run \(.*\) \(it made 4 updates in 2 epochs\).*"
-                           r"larger --max-updates or --epochs.*--init-from"):
+    for bound, asked in ((["--epochs", "2"], "--epochs 2"), (["--epochs", "1"], "--epochs 1"),
+                         (["--epochs", "3", "--max-updates", "4"], "--max-updates 4 and --epochs 3")):
+        with pytest.raises(ConfigError, match=r"holds a finished run \(.*model.keras; it made 4 updates in 2 epochs\)\. "
+                           rf"This run \({asked}\) would not go past it.*run again with --max-updates above 4 "
+                           r"\(and --epochs, if set, above 2;.*--init-from"):
             train(resolve_config(args + bound))
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == finished
 

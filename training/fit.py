@@ -166,13 +166,17 @@ def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
     bounds = [(cfg.get("max_updates"), steps), (cfg.get("epochs"), epochs)]
     larger = [bool(done_so_far is not None and wanted > done_so_far) for wanted, done_so_far in bounds if wanted]
     if cfg.get("init_from") or steps is None or not checkpoints or not larger or not all(larger):
-        did = f" (it made {steps:,} updates in {epochs} epochs)" if steps is not None and epochs else ""
+        did = f"; it made {steps:,} updates in {epochs} epochs" if steps is not None and epochs else ""
+        past = (f"--max-updates above {steps:,} (and --epochs, if set, above {epochs}; a config's \"epochs\": null "
+                "sets no epoch limit)") if did else "a larger --max-updates or --epochs"
+        asked = " and ".join(f"--{flag} {cfg[key]:,}" for key, flag in (("max_updates", "max-updates"),
+                                                                       ("epochs", "epochs")) if cfg.get(key))
         raise ConfigError(
-            f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}){did}, and training into it would "
-            f"start over at epoch 1, overwriting its checkpoints. To continue it with its optimizer state and "
-            f"schedule, run again with a larger --max-updates or --epochs. To fine-tune that model with a fresh "
-            f"optimizer, pass --init-from {model_dir} with another --model-dir; to start over, delete {model_dir} "
-            "or pick another --model-dir.")
+            f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}{did}). This run ({asked}) would "
+            f"not go past it, and training into it would start over at epoch 1, overwriting its checkpoints. To "
+            f"continue it with its optimizer state and schedule, run again with {past}. To fine-tune that model "
+            f"with a fresh optimizer, pass --init-from {model_dir} with another --model-dir; to start over, "
+            f"delete {model_dir} or pick another --model-dir.")
     # Written aside and renamed into place, so that a kill leaves either no backup or a whole one.
     staging = out_dir / "backup.continue"
     shutil.rmtree(staging, ignore_errors=True)
