@@ -102,6 +102,19 @@ class ResumableBackup(BackupAndRestoreState):
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
 
+    @classmethod
+    def start_from(cls, backup_dir, weights_file, epoch: int, step: int) -> None:
+        """Writes a backup of `weights_file` (written by `model.save_weights` at the end of epoch `epoch`,
+        counted from 1, at optimizer step `step`) into `backup_dir`, for a run to resume from at the next
+        epoch. Staged beside it and renamed into place, so that a kill leaves either no backup or a whole one."""
+        staging = f"{backup_dir}.continue"
+        shutil.rmtree(staging, ignore_errors=True)
+        paths = cls(staging)
+        os.makedirs(staging)
+        shutil.copyfile(weights_file, paths.weights_path)
+        paths.metadata_path.write_text(json.dumps({"epoch": epoch, "batch": 0, "step": step}))
+        os.replace(staging, backup_dir)
+
     def save_backup(self):
         # Like Keras' own, but both files are written under temporary names and renamed into place.
         self.weights_path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -177,14 +176,7 @@ def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
             f"continue it with its optimizer state and schedule, run again with {past}. To fine-tune that model "
             f"with a fresh optimizer, pass --init-from {model_dir} with another --model-dir; to start over, "
             f"delete {model_dir} or pick another --model-dir.")
-    # Written aside and renamed into place, so that a kill leaves either no backup or a whole one.
-    staging = out_dir / "backup.continue"
-    shutil.rmtree(staging, ignore_errors=True)
-    paths = ResumableBackup(staging)
-    staging.mkdir()
-    shutil.copyfile(last, paths.weights_path)
-    paths.metadata_path.write_text(json.dumps({"epoch": epochs, "batch": 0, "step": steps}))
-    os.replace(staging, out_dir / "backup")
+    ResumableBackup.start_from(out_dir / "backup", last, epochs, steps)
     print(f"[kt-train] {model_dir} finished at update {steps:,} (epoch {epochs}): continuing it from "
           f"{last.name}, with its optimizer state", flush=True)
 
