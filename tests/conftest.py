@@ -208,6 +208,15 @@ def write_lines(path, lines):
     return path
 
 
+def two_batch_epochs_args(tmp_path, model_dir):
+    """kt-train flags for a `tiny` run into `model_dir` on Multi30k's first 200 training pairs (written under
+    `tmp_path`): a 400-piece vocabulary, epochs of 2 batches of 400 tokens, warm-up 10, no validation, quiet."""
+    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
+    return ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir",
+            str(model_dir), "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10",
+            "--no-validation", "--verbose", "0"]
+
+
 # Runs in an interpreter of its own that imports only tensorflow and tensorflow_text, like the model server
 # (which links TensorFlow's and tensorflow-text's kernels and nothing of Python). It loads one export into one
 # session, as TF Serving does, then answers request files, one path per line on stdin, one JSON line each on stdout.

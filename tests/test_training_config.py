@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import COMMAND_ENV, MULTI30K, REPO, SUBPROCESS_ENV, TF_LOG_LINE, multi30k_lines, needs_multi30k
-from conftest import write_lines
+from conftest import two_batch_epochs_args, write_lines
 from training import ONEDNN_ENV
 from training.config import DEFAULTS, resolve_config
 
@@ -161,11 +161,8 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
     from training.errors import ConfigError
     from training.fit import train
 
-    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     run = tmp_path / "run"
-    args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
-            "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
-            "--verbose", "0"]
+    args = two_batch_epochs_args(tmp_path, run)
     train(resolve_config(args + ["--epochs", "2"]))
     finished = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     # Its backup is gone, so a second run would start at epoch 1 over the first one's files; a bound it has
@@ -187,11 +184,8 @@ def test_a_finished_run_continues_from_its_last_state_to_a_larger_bound(tmp_path
     from training.callbacks import ResumableBackup
     from training.fit import build_and_compile, continue_finished_run, train
 
-    src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     run = tmp_path / "run"
-    args = ["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400", "--model-dir", str(run),
-            "--tokens-per-batch", "400", "--steps-per-epoch", "2", "--warmup-steps", "10", "--no-validation",
-            "--verbose", "0"]
+    args = two_batch_epochs_args(tmp_path, run)
     # 3 updates: epoch 1, then 1 update into epoch 2 (its checkpoint is written as the update bound stops it).
     first = train(resolve_config(args + ["--max-updates", "3"]))
     assert first["optimizer_steps"] == 3 and first["epochs_run"] == [1, 2]
