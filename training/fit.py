@@ -8,7 +8,6 @@ compile step alone (benchmarks use it to compile exactly as training does).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -36,7 +35,6 @@ from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, no
 from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
 
-log = logging.getLogger("training.fit")
 
 # fit()'s epoch count when a run is bounded by --max-updates alone ("epochs": null).
 NO_EPOCH_LIMIT = 1_000_000
@@ -72,9 +70,11 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> by
         check_special_ids(proto)
         if is_chief:
             path.write_bytes(proto)
+            print(f"[kt-train] tokenizer: {cfg['tokenizer']} (--tokenizer), copied to {path}", flush=True)
         return proto
     if path.exists():
-        log.info("Using the existing tokenizer %s", path)
+        if is_chief:
+            print(f"[kt-train] tokenizer: {path} (the run's own)", flush=True)
         return read_tokenizer_proto(path)
     if not is_chief:  # every worker must use the chief's vocabulary
         _wait_for(path)
@@ -88,7 +88,8 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> by
     tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
     tmp.write_bytes(proto)
     os.replace(tmp, path)  # atomic: other workers wait for this file
-    log.info("Trained a joint sentencepiece vocabulary in %.1fs -> %s", time.time() - t0, path)
+    print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces, "
+          f"trained on the training text in {time.time() - t0:.1f} s)", flush=True)
     return proto
 
 

@@ -29,10 +29,12 @@ from training.fit import train  # noqa: E402
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not wants_logs(argv):
-        # TFDS logs through absl at INFO ("Load dataset info", "interleave_cycle_length", ...).
-        logging.getLogger("absl").setLevel(logging.WARNING)
+    verbose = wants_logs(argv)
+    # kt-train's progress is its own `[kt-train]` lines; Python logging brings warnings (a byte-order mark
+    # removed, another process preparing the dataset), and with --verbose also INFO: the strategy's devices,
+    # and TFDS' absl lines ("Load dataset info", ...).
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = resolve_config(argv)
     try:
         summary = train(cfg)
