@@ -31,7 +31,7 @@ START_ID = 2  # sentencepiece's bos: the decoder's first input
 END_ID = 3  # sentencepiece's eos: ends every source and every output
 DEFAULT_VOCAB_SIZE = 8000
 
-# Every vocabulary of the project: cased, all characters kept (byte fallback), these ids.
+# Every vocabulary of the project: all characters kept (byte fallback), these ids; cased unless asked otherwise.
 _SENTENCEPIECE_OPTIONS = {
     "character_coverage": 1.0, "byte_fallback": True, "shuffle_input_sentence": True,
     "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
@@ -45,21 +45,26 @@ _SENTENCEPIECE_OPTIONS = {
 
 def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, model_type: str = "unigram",
                         input_sentence_size: int = 2_000_000, seed_sentencepiece_size: int = 1_000_000,
-                        hard_vocab_limit: bool = False) -> bytes:
-    """Trains a cased, reversible sentencepiece model on an iterable of strings.
+                        hard_vocab_limit: bool = False, lowercase: bool = False) -> bytes:
+    """Trains a reversible sentencepiece model on an iterable of strings.
 
     Returns the serialized model proto (the bytes of a `.model` file), with
     this module's special ids. Byte fallback keeps unseen characters
     reversible; `hard_vocab_limit=False` lets a small corpus end with fewer
-    pieces than asked for instead of failing. Raises `ValueError` when
-    sentencepiece cannot train a vocabulary of that size.
+    pieces than asked for instead of failing. The model is cased (the
+    `nmt_nfkc` normaliser) unless `lowercase`: then it case-folds
+    (`nmt_nfkc_cf`), so "A Dog" and "a dog" give the same ids and a model
+    trained with it writes lowercase text (`lowercases` tells which a
+    model proto does). Raises `ValueError` when sentencepiece cannot train
+    a vocabulary of that size.
     """
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(s for s in sentences if s), model_writer=model, vocab_size=vocab_size,
             model_type=model_type, input_sentence_size=input_sentence_size,
-            seed_sentencepiece_size=seed_sentencepiece_size, hard_vocab_limit=hard_vocab_limit, **_SENTENCEPIECE_OPTIONS)
+            seed_sentencepiece_size=seed_sentencepiece_size, hard_vocab_limit=hard_vocab_limit,
+            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc", **_SENTENCEPIECE_OPTIONS)
     except RuntimeError as e:
         raise ValueError(f"Could not train a sentencepiece vocabulary of {vocab_size} pieces: {e}") from e
     return model.getvalue()
@@ -76,6 +81,12 @@ def read_tokenizer_proto(path) -> bytes:
 def vocab_size_of(model_proto: bytes) -> int:
     """Number of pieces (ids) of a sentencepiece model proto."""
     return spm.SentencePieceProcessor(model_proto=model_proto).get_piece_size()
+
+
+def lowercases(model_proto: bytes) -> bool:
+    """Whether a sentencepiece model proto case-folds its input (`train_sentencepiece(..., lowercase=True)`)."""
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    return sp.decode(sp.encode("A")) == "a"
 
 
 def check_special_ids(model_proto: bytes) -> None:

@@ -157,6 +157,35 @@ def test_time_budget_stops_after_a_whole_epoch(tmp_path):
 
 
 @needs_multi30k
+def test_lowercase_trains_a_case_folding_vocabulary_and_config_json_says_what_the_vocabulary_does(tmp_path, capsys):
+    from keras_transformer.text import lowercases, read_tokenizer_proto
+    from training.errors import ConfigError
+    from training.fit import train
+
+    def run(name, *flags):
+        train(resolve_config(two_batch_epochs_args(tmp_path, tmp_path / name) + ["--epochs", "1", *flags]))
+        recorded = json.loads((tmp_path / name / "config.json").read_text())["training"]["lowercase"]
+        return lowercases(read_tokenizer_proto(tmp_path / name / "tokenizer.model")), recorded
+
+    assert run("cased") == (False, False)
+    assert "case-folding" not in capsys.readouterr().out
+    assert run("folding", "--lowercase") == (True, True)
+    assert "case-folding: the model reads and writes lowercase text" in capsys.readouterr().out
+    # A case-folding --tokenizer without --lowercase: config.json records what the vocabulary does.
+    assert run("given", "--tokenizer", str(tmp_path / "folding" / "tokenizer.model")) == (True, True)
+    # --lowercase with a cased vocabulary, given or the run's own, is refused before anything is trained.
+    cased = tmp_path / "cased" / "tokenizer.model"
+    with pytest.raises(ConfigError, match=r"--lowercase .*asks for a case-folding vocabulary, but the vocabulary "
+                       rf"{cased} is cased: drop --lowercase"):
+        run("refused", "--lowercase", "--tokenizer", str(cased))
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    (tmp_path / "resumed").mkdir()
+    (tmp_path / "resumed" / "tokenizer.model").write_bytes(cased.read_bytes())
+    with pytest.raises(ConfigError, match=r"but this run's vocabulary .* is cased"):
+        run("resumed", "--lowercase")
+
+
+@needs_multi30k
 def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
     from training.errors import ConfigError
     from training.fit import train

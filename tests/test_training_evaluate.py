@@ -56,6 +56,36 @@ def test_bleu_equals_sacrebleu_cli(tmp_path, capsys):
     assert f"chrF2|{cli_chrf['signature']} = {cli_chrf['score']:.2f}" in printed
 
 
+def test_a_case_folding_models_output_is_scored_as_sacrebleu_lowercase_scores_it(tmp_path):
+    """A model trained with `kt-train --lowercase` writes lowercase text: kt-evaluate scores a run whose config.json
+    records that as `sacrebleu --lowercase --chrf-lowercase` does, and a cased run as before."""
+    from training.evaluate import main
+
+    refs = _lines("test_2016_flickr.de", 60)
+    ref = _write(tmp_path / "ref.de", refs)
+    hyp = _write(tmp_path / "hyp.de", [line.lower() for line in _perturb(refs)])
+    scores = {}
+    for lowercase in (True, False):
+        run = tmp_path / f"run-{lowercase}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"target_lang": "de", "training": {"lowercase": lowercase}}))
+        out = tmp_path / f"scores-{lowercase}.json"
+        assert main(["--hypotheses", str(hyp), "--references", str(ref), "--model-dir", str(run),
+                     "--output", str(out)]) == 0
+        scores[lowercase] = json.loads(out.read_text())
+    for lowercase, flags in ((True, ["--lowercase", "--chrf-lowercase"]), (False, [])):
+        cli = subprocess.run([str(SACREBLEU), str(ref), "-i", str(hyp), "-m", "bleu", "chrf", "-w", "4", *flags],
+                             capture_output=True, text=True, check=True)
+        cli_bleu, cli_chrf = json.loads(cli.stdout)
+        assert round(scores[lowercase]["bleu"], 4) == cli_bleu["score"]
+        assert round(scores[lowercase]["chrf"], 4) == cli_chrf["score"]
+        assert scores[lowercase]["bleu_signature"] == cli_bleu["signature"]
+    assert "case:lc" in scores[True]["bleu_signature"] and "case:mixed" in scores[False]["bleu_signature"]
+    assert scores[True]["bleu"] > scores[False]["bleu"] + 5  # every capital of the references counts against it
+    # The Multi30k protocol lowercases both sides anyway.
+    assert scores[True]["multi30k_bleu"] == scores[False]["multi30k_bleu"]
+
+
 def test_the_multi30k_protocol_tokenises_the_references_as_the_official_files():
     """The official tokenised test2016 German reference (lowercase.perl | normalize-punctuation.perl -l de |
     tokenizer.perl -l de) has 12,103 tokens."""

@@ -13,7 +13,7 @@ from export.tokenizer import encode_source, make_tokenizer
 from keras_transformer.text import END_ID as EOS_ID
 from keras_transformer.text import PAD_ID, UNK_ID, read_tokenizer_proto
 from keras_transformer.text import START_ID as BOS_ID
-from keras_transformer.text import train_sentencepiece, vocab_size_of
+from keras_transformer.text import lowercases, train_sentencepiece, vocab_size_of
 from training.pipeline import bucket_batch_sizes, bucket_boundaries, make_batches
 
 pytestmark = needs_multi30k
@@ -68,6 +68,24 @@ def test_tokenizer_round_trip(proto):
     # Works inside a tf.function graph (as in tf.data and an exported model).
     f = tf.function(lambda s: tok.detokenize(tok.tokenize(s)))
     assert f(tf.constant(texts[:5])).numpy().tolist() == [t.encode() for t in texts[:5]]
+
+
+def test_a_case_folding_vocabulary_reads_any_case_and_writes_lowercase(proto, corpus):
+    folding = train_sentencepiece(corpus[0] + corpus[1], vocab_size=1000, lowercase=True)
+    assert lowercases(folding) and not lowercases(proto)
+    sp = spm.SentencePieceProcessor(model_proto=folding)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_control(i) and not sp.is_byte(i)]
+    assert all(piece == piece.lower() for piece in pieces)  # trained on case-folded text
+    texts = ["A Dog runs through the Park.", "EIN HUND LÄUFT DURCH DEN PARK."]
+    # tensorflow-text applies the model's normaliser, as the sentencepiece package does: in tf.data and in an export.
+    tok = make_tokenizer(folding)
+    f = tf.function(lambda s: (tok.tokenize(s), tok.detokenize(tok.tokenize(s))))
+    ids, back = f(tf.constant(texts))
+    assert ids.to_list() == sp.encode(texts) == sp.encode([t.lower() for t in texts])
+    assert [b.decode() for b in back.numpy()] == [t.lower() for t in texts]
+    # The cased vocabulary keeps the case.
+    assert make_tokenizer(proto).detokenize(make_tokenizer(proto).tokenize(texts)).numpy().tolist() == [
+        t.encode() for t in texts]
 
 
 def test_encode_source_appends_eos_and_truncates(proto):

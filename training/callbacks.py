@@ -252,12 +252,16 @@ class ValidationBLEU(keras.callbacks.Callback):
         tokenizer: `export.tokenizer.make_tokenizer`'s tokenizer.
         max_length: most source tokens (end id included), as in training.
         batch_size: sentences decoded at once (sorted by length, so batches pad little).
+        lowercase: score case-insensitively (sacreBLEU's `lowercase`), for a case-folding vocabulary,
+            whose model writes lowercase text.
     """
 
-    def __init__(self, sources, references, tokenizer, max_length: int, batch_size: int = 64):
+    def __init__(self, sources, references, tokenizer, max_length: int, batch_size: int = 64,
+                 lowercase: bool = False):
         super().__init__()
         self.sources, self.references = list(sources), list(references)
         self.tokenizer, self.max_length, self.batch_size = tokenizer, max_length, batch_size
+        self.lowercase = lowercase
         self._decode = None
 
     def translate(self) -> list[str]:
@@ -275,7 +279,7 @@ class ValidationBLEU(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         t0 = time.time()
-        bleu = BLEU().corpus_score(self.translate(), [self.references]).score
+        bleu = BLEU(lowercase=self.lowercase).corpus_score(self.translate(), [self.references]).score
         if logs is not None:
             logs["val_bleu"] = bleu
         print(f"[kt-train] epoch {epoch + 1}: validation BLEU {bleu:.2f} (greedy, {len(self.sources)} sentences, "

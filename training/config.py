@@ -36,6 +36,7 @@ DEFAULTS = {
     "tokenizer": None,
     "init_from": None,
     "vocab_size": 8000,
+    "lowercase": False,
     "tokens_per_batch": 4096,
     "max_length": 128,
     "subword_sampling": None,
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer and batches")
     g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
     g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
+    g.add_argument("--lowercase", action="store_true",
+                   help="train a case-folding vocabulary (sentencepiece's nmt_nfkc_cf normaliser): the model reads "
+                   "and writes lowercase text, and kt-evaluate scores it case-insensitively (default: cased)")
     g.add_argument("--tokens-per-batch", type=int, help="token budget per batch and side (default 4096; paper ~25000)")
     g.add_argument("--max-length", type=int, help="drop training pairs longer than this many tokens (default 128)")
     g.add_argument("--shuffle-buffer", type=int)

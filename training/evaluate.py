@@ -6,7 +6,8 @@
 Translates with the functions `kt-export` saves (`export.translator.Translator`:
 tokenize, beam search, detokenize in one `tf.function`; beam 4 by default,
 `--beam-size 1` for greedy decoding), so the scores printed are those of the
-exported model. Prints sacreBLEU's corpus BLEU with its signature and chrF,
+exported model. Prints sacreBLEU's corpus BLEU with its signature and chrF
+(case-insensitive, `case:lc`, for a model trained with `kt-train --lowercase`),
 and the BLEU of the Multi30k protocol (`multi30k_protocol_bleu`), writes the
 hypotheses (one per line, input order) and a JSON of the scores. A progress
 bar goes to stderr when it is a terminal.
@@ -66,12 +67,14 @@ def multi30k_protocol_bleu(hypotheses: list[str], references: list[str], lang: s
     return tokenised, bleu.get_signature()
 
 
-def score(hypotheses: list[str], references: list[str], lang: str | None = None) -> dict:
+def score(hypotheses: list[str], references: list[str], lang: str | None = None, lowercase: bool = False) -> dict:
     """sacreBLEU corpus BLEU and chrF (default settings, one reference), and with the target language
-    `lang` the BLEU of the Multi30k protocol (`multi30k_protocol_bleu`)."""
+    `lang` the BLEU of the Multi30k protocol (`multi30k_protocol_bleu`). `lowercase` scores BLEU and chrF
+    case-insensitively (sacreBLEU's `lowercase`; its signature says `case:lc`), as for a model whose
+    vocabulary case-folds (`kt-train --lowercase`) and so writes lowercase text."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu, chrf = BLEU(), CHRF()
+    bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
     b = bleu.corpus_score(hypotheses, [references])
     c = chrf.corpus_score(hypotheses, [references])
     scores = {
@@ -152,6 +155,11 @@ def _source_and_refs(args, cfg):
     return [s.decode("utf-8") for s, _ in pairs], [r.decode("utf-8") for _, r in pairs]
 
 
+def _lowercases(cfg: dict) -> bool:
+    """Whether kt-train recorded a case-folding vocabulary (`--lowercase`) in config.json."""
+    return bool(cfg.get("training", {}).get("lowercase"))
+
+
 def print_scores(scores: dict) -> None:
     print(scores["bleu_text"])
     print(scores["chrf_text"])
@@ -176,7 +184,7 @@ def evaluate(args) -> int:
         hyps = read_lines(args.hypotheses)
         cfg = read_config(args.model_dir) if args.model_dir else {}
         refs = read_lines(args.references) if args.references else _source_and_refs(args, cfg)[1]
-        scores = score(hyps, refs, args.target_lang or cfg.get("target_lang"))
+        scores = score(hyps, refs, args.target_lang or cfg.get("target_lang"), lowercase=_lowercases(cfg))
         print_scores(scores)
         if args.output:
             Path(args.output).write_text(json.dumps(scores, indent=2))
@@ -202,7 +210,7 @@ def evaluate(args) -> int:
     name = Path(args.source_file).name if args.source_file else (args.split or default_split)
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    scores = score(hyps, refs, args.target_lang or cfg["target_lang"])
+    scores = score(hyps, refs, args.target_lang or cfg["target_lang"], lowercase=_lowercases(cfg))
     scores.update({"beam_size": args.beam_size, "alpha": args.alpha, "hypotheses_file": str(out),
                    "decode_seconds": round(elapsed, 1)})
     out.with_suffix(out.suffix + ".scores.json").write_text(json.dumps(scores, indent=2))

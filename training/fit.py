@@ -22,7 +22,8 @@ import tensorflow_datasets as tfds
 
 import keras_transformer as kt
 from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME, read_config
-from keras_transformer.text import check_special_ids, read_tokenizer_proto, train_sentencepiece, vocab_size_of
+from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
+                                   vocab_size_of)
 from export.tokenizer import make_tokenizer
 from training.average_checkpoints import epoch_checkpoints
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, ValidationBLEU
@@ -63,34 +64,55 @@ def _wait_for(path: Path, timeout: float = 600.0) -> None:
 
 
 def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> bytes:
-    """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text."""
+    """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text
+    (case-folding with `cfg["lowercase"]`). A cased vocabulary where `cfg["lowercase"]` asks for a
+    case-folding one is a `ConfigError`."""
     path = model_dir / TOKENIZER_FILENAME
     if cfg.get("tokenizer"):
         proto = read_tokenizer_proto(cfg["tokenizer"])
         check_special_ids(proto)
+        _check_lowercase(cfg, proto, f"the vocabulary {cfg['tokenizer']}",
+                         "--init-from's" if cfg.get("init_from") else "--tokenizer's")
         if is_chief:
             path.write_bytes(proto)
-            print(f"[kt-train] tokenizer: {cfg['tokenizer']} (--tokenizer), copied to {path}", flush=True)
+            flag = "--init-from" if cfg.get("init_from") else "--tokenizer"
+            print(f"[kt-train] tokenizer: {cfg['tokenizer']} ({flag}{_folding(proto)}), copied to {path}", flush=True)
         return proto
     if path.exists():
+        proto = read_tokenizer_proto(path)
+        _check_lowercase(cfg, proto, f"this run's vocabulary {path}", "the run's")
         if is_chief:
-            print(f"[kt-train] tokenizer: {path} (the run's own)", flush=True)
-        return read_tokenizer_proto(path)
+            print(f"[kt-train] tokenizer: {path} (the run's own{_folding(proto)})", flush=True)
+        return proto
     if not is_chief:  # every worker must use the chief's vocabulary
         _wait_for(path)
         return read_tokenizer_proto(path)
     spm.set_random_generator_seed(cfg["seed"])
     t0 = time.time()
     try:
-        proto = train_sentencepiece(iterate_text(train_pairs, limit=2_000_000), cfg["vocab_size"])
+        proto = train_sentencepiece(iterate_text(train_pairs, limit=2_000_000), cfg["vocab_size"],
+                                    lowercase=bool(cfg.get("lowercase")))
     except ValueError as e:
         raise ConfigError(f"{e} (--vocab-size)") from e
     tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
     tmp.write_bytes(proto)
     os.replace(tmp, path)  # atomic: other workers wait for this file
-    print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces, "
-          f"trained on the training text in {time.time() - t0:.1f} s)", flush=True)
+    print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces"
+          f"{_folding(proto)}, trained on the training text in {time.time() - t0:.1f} s)", flush=True)
     return proto
+
+
+def _folding(proto: bytes) -> str:
+    """What the tokenizer line adds for a case-folding vocabulary."""
+    return ", case-folding: the model reads and writes lowercase text" if lowercases(proto) else ""
+
+
+def _check_lowercase(cfg, proto: bytes, what: str, whose: str) -> None:
+    """`ConfigError` when `cfg` asks for a case-folding vocabulary and `proto` is cased."""
+    if cfg.get("lowercase") and not lowercases(proto):
+        raise ConfigError(f"--lowercase (\"lowercase\": true) asks for a case-folding vocabulary, but {what} "
+                          f"is cased: drop --lowercase to train with {whose} vocabulary, or train a new one "
+                          "(without --tokenizer, in a new --model-dir)")
 
 
 def build_model(cfg, vocab_size: int):
@@ -208,6 +230,9 @@ def train(cfg: dict, strategy=None) -> dict:
     spec = data_spec(cfg)
     train_pairs = load_text_pairs(spec, "train", max_examples=cfg["max_train_examples"])
     proto = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
+    # config.json records what the vocabulary does (a --tokenizer may case-fold without --lowercase):
+    # kt-evaluate scores a case-folding model's output case-insensitively.
+    cfg = {**cfg, "lowercase": lowercases(proto)}
     tokenizer = make_tokenizer(proto)
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
@@ -237,7 +262,8 @@ def train(cfg: dict, strategy=None) -> dict:
         val_ds = make_batches(val_pairs, tokenizer, shuffle=False, **batch_args)
         if cfg["val_bleu"]:
             texts = [(s.decode("utf-8"), t.decode("utf-8")) for s, t in val_pairs.as_numpy_iterator()]
-            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer, cfg["max_length"])
+            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer, cfg["max_length"],
+                                      lowercase=cfg["lowercase"])
     elif cfg["val_bleu"]:
         raise ConfigError("--val-bleu needs validation data (--valid-files with --dataset files; "
                           "not --no-validation)")
