@@ -145,7 +145,7 @@ def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypat
     hyp = tmp_path / "hyp.de"
     hyp.write_bytes("".join(line + "\r\n" for line in _perturb(refs)).encode("utf-8"))
     seen = []
-    monkeypatch.setattr(evaluate, "score", lambda hyps, references, lang=None: seen.append((hyps, references)) or
+    monkeypatch.setattr(evaluate, "score", lambda hyps, references, lang=None, **_: seen.append((hyps, references)) or
                         {"bleu_text": "", "chrf_text": ""})
     assert evaluate.main(["--hypotheses", str(hyp), "--references", str(ref)]) == 0
     (hyps, references), = seen
