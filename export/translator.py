@@ -106,6 +106,7 @@ import tensorflow as tf
 from export.engine_weights import engine_model
 from export.search import beam_search, greedy_decode, parallel_decode
 from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
+import keras_transformer as kt
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.scoring import align_targets, score_targets
@@ -174,17 +175,41 @@ def load_model_dir(model_dir, model_file=None, weights=None):
     """(model, tokenizer, config) from a directory written by kt-train.
 
     `model_file` picks another .keras file (e.g. averaged.keras); `weights`
-    loads a .weights.h5 checkpoint into the model.
+    loads a .weights.h5 checkpoint into the model, which may then be one
+    built from config.json while kt-train still runs (`load_or_build_model`).
     """
     config = read_config(model_dir)
-    path = Path(model_file) if model_file else Path(model_dir) / config.get("model_file", MODEL_FILENAME)
-    if not path.is_file():
-        raise FileNotFoundError(f"Model file {path} not found (train first, or pass --model-file).")
-    model = keras.models.load_model(path, compile=False)
+    if model_file:
+        if not Path(model_file).is_file():
+            raise FileNotFoundError(f"Model file {model_file} not found.")
+        model = keras.models.load_model(model_file, compile=False)
+    elif weights:
+        model = load_or_build_model(model_dir, config)
+    else:
+        path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
+        if not path.is_file():
+            raise FileNotFoundError(f"Model file {path} not found (train first, pass --model-file, or --weights "
+                                    "with one of the run's checkpoints).")
+        model = keras.models.load_model(path, compile=False)
     if weights:
         model.load_weights(weights)
     tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
     return model, tokenizer, config
+
+
+def load_or_build_model(model_dir, config):
+    """MODEL_DIR/model.keras, or, while kt-train is still running (or after it was stopped, before it wrote
+    model.keras), a new, built model of the architecture and dtype policy `config` (its config.json) records,
+    for a checkpoint's weights. `FileNotFoundError` when there is neither."""
+    path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
+    if path.is_file():
+        return keras.models.load_model(path, compile=False)
+    if "model_config" not in config:
+        raise FileNotFoundError(f"{path} not found, and {Path(model_dir) / CONFIG_FILENAME} records no "
+                                "model_config to build the model from")
+    model = kt.Transformer.from_config({**config["model_config"], "dtype": config.get("dtype_policy")})
+    model.build()
+    return model
 
 
 def tokenizer_path(model_dir, config) -> Path:

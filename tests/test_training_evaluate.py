@@ -299,6 +299,29 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     assert (scores["beam_size"], scores["alpha"]) == (1, 0.6)
 
 
+def test_evaluate_scores_a_checkpoint_of_a_run_that_has_no_model_keras_yet(trained_dir, tmp_path, capsys):
+    """While kt-train runs there is no model.keras: `kt-evaluate --weights CHECKPOINT` builds the model from
+    config.json and translates as it does with model.keras. Without --weights, one line names the ways out."""
+    import shutil
+
+    from training.evaluate import main as evaluate
+
+    running = tmp_path / "running"
+    shutil.copytree(trained_dir, running, ignore=shutil.ignore_patterns("*.keras"))
+    checkpoint = sorted((trained_dir / "checkpoints").glob("epoch-*.weights.h5"))[1]
+    src = _write(tmp_path / "src.en", _lines("test_2016_flickr.en", 4))
+    ref = _write(tmp_path / "ref.de", _lines("test_2016_flickr.de", 4))
+    common = ["--source-file", str(src), "--references", str(ref), "--beam-size", "2", "--no-progress"]
+    for model_dir, name in ((trained_dir, "with"), (running, "without")):
+        assert evaluate(["--model-dir", str(model_dir), "--weights", str(checkpoint), "--output",
+                         str(tmp_path / f"{name}.de"), *common]) == 0
+    assert (tmp_path / "with.de").read_text() == (tmp_path / "without.de").read_text()
+    capsys.readouterr()
+    assert evaluate(["--model-dir", str(running), "--output", str(tmp_path / "x.de"), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kt-evaluate: error:") and "model.keras not found" in err and "--weights" in err, err
+
+
 def test_average_checkpoints_of_a_run_without_model_keras(trained_dir, tmp_path, capsys):
     """While kt-train runs, or after it was stopped, there is no model.keras yet: the average is built from
     config.json's architecture and equals the one made with model.keras. Without either, one clear line."""

@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
-from export.translator import MODEL_FILENAME, read_config_or_exit, recorded_setting  # noqa: E402
+from export.translator import load_or_build_model, read_config_or_exit, recorded_setting  # noqa: E402
 from training.config import CHECKPOINT_DIR  # noqa: E402
 
 # The paper averaged the last 5 checkpoints of its base models.
@@ -79,20 +79,6 @@ def best_checkpoints(model_dir, n: int, by: str = "val_loss") -> list[tuple[Path
     scored = [(path, scores[epoch]) for epoch, path in epoch_checkpoints(model_dir) if epoch in scores]
     scored.sort(key=lambda item: -item[1] if SCORES[by] else item[1])
     return scored[:n]
-
-
-def load_or_build_model(model_dir, cfg):
-    """The model to average into: MODEL_DIR/model.keras, or, while kt-train is still running (or after it was
-    stopped, before it wrote model.keras), a new model of the architecture and dtype policy config.json records."""
-    path = Path(model_dir) / cfg.get("model_file", MODEL_FILENAME)
-    if path.is_file():
-        return keras.models.load_model(path, compile=False)
-    if "model_config" not in cfg:
-        raise ValueError(f"{path} not found, and {Path(model_dir) / 'config.json'} records no model_config "
-                         "to build the model from")
-    model = keras_transformer.Transformer.from_config({**cfg["model_config"], "dtype": cfg.get("dtype_policy")})
-    model.build()
-    return model
 
 
 def average_weights(model, checkpoint_paths) -> None:
@@ -155,7 +141,7 @@ def main(argv=None) -> int:
         print(f"Only {len(chosen)} checkpoint(s) available; averaging those.")
     try:
         model = load_or_build_model(args.model_dir, cfg)
-    except ValueError as e:
+    except FileNotFoundError as e:
         print(f"kt-average-checkpoints: error: {e}", file=sys.stderr)
         return 2
     average_weights(model, chosen)
