@@ -114,7 +114,8 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="directory written by kt-train")
     p.add_argument("--model-file", help="another .keras file to evaluate (e.g. MODEL_DIR/averaged.keras)")
-    p.add_argument("--weights", help="a .weights.h5 checkpoint to load into the model")
+    p.add_argument("--weights", help="a .weights.h5 checkpoint to load into the model (e.g. MODEL_DIR/checkpoints/"
+                   "epoch-020.weights.h5; while kt-train still runs, the model is built from config.json)")
     p.add_argument("--dataset", help="multi30k | files | TFDS name (default: the one trained on)")
     p.add_argument("--data-dir", help="raw Multi30k directory")
     p.add_argument("--tfds-data-dir")
