@@ -26,7 +26,6 @@ from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
 # Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
 quiet_import_for_commands(__name__)
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)

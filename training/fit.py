@@ -63,30 +63,34 @@ def _wait_for(path: Path, timeout: float = 600.0) -> None:
         time.sleep(0.5)
 
 
-def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> bytes:
+def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tuple[bytes, bool]:
     """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text
-    (case-folding with `cfg["lowercase"]`). A cased vocabulary where `cfg["lowercase"]` asks for a
-    case-folding one is a `ConfigError`."""
+    (case-folding with `cfg["lowercase"]`). Returns the proto and whether it case-folds. A cased vocabulary
+    where `cfg["lowercase"]` asks for a case-folding one is a `ConfigError`."""
     path = model_dir / TOKENIZER_FILENAME
     if cfg.get("tokenizer"):
         proto = read_tokenizer_proto(cfg["tokenizer"])
         check_special_ids(proto)
-        _check_lowercase(cfg, proto, f"the vocabulary {cfg['tokenizer']}",
+        folding = lowercases(proto)
+        _check_lowercase(cfg, folding, f"the vocabulary {cfg['tokenizer']}",
                          "--init-from's" if cfg.get("init_from") else "--tokenizer's")
         if is_chief:
             path.write_bytes(proto)
             flag = "--init-from" if cfg.get("init_from") else "--tokenizer"
-            print(f"[kt-train] tokenizer: {cfg['tokenizer']} ({flag}{_folding(proto)}), copied to {path}", flush=True)
-        return proto
+            print(f"[kt-train] tokenizer: {cfg['tokenizer']} ({flag}{_folding(folding)}), copied to {path}",
+                  flush=True)
+        return proto, folding
     if path.exists():
         proto = read_tokenizer_proto(path)
-        _check_lowercase(cfg, proto, f"this run's vocabulary {path}", "the run's")
+        folding = lowercases(proto)
+        _check_lowercase(cfg, folding, f"this run's vocabulary {path}", "the run's")
         if is_chief:
-            print(f"[kt-train] tokenizer: {path} (the run's own{_folding(proto)})", flush=True)
-        return proto
+            print(f"[kt-train] tokenizer: {path} (the run's own{_folding(folding)})", flush=True)
+        return proto, folding
     if not is_chief:  # every worker must use the chief's vocabulary
         _wait_for(path)
-        return read_tokenizer_proto(path)
+        proto = read_tokenizer_proto(path)
+        return proto, lowercases(proto)
     spm.set_random_generator_seed(cfg["seed"])
     t0 = time.time()
     try:
@@ -97,19 +101,20 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> by
     tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
     tmp.write_bytes(proto)
     os.replace(tmp, path)  # atomic: other workers wait for this file
+    folding = lowercases(proto)
     print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces"
-          f"{_folding(proto)}, trained on the training text in {time.time() - t0:.1f} s)", flush=True)
-    return proto
+          f"{_folding(folding)}, trained on the training text in {time.time() - t0:.1f} s)", flush=True)
+    return proto, folding
 
 
-def _folding(proto: bytes) -> str:
+def _folding(folding: bool) -> str:
     """What the tokenizer line adds for a case-folding vocabulary."""
-    return ", case-folding: the model reads and writes lowercase text" if lowercases(proto) else ""
+    return ", case-folding: the model reads and writes lowercase text" if folding else ""
 
 
-def _check_lowercase(cfg, proto: bytes, what: str, whose: str) -> None:
-    """`ConfigError` when `cfg` asks for a case-folding vocabulary and `proto` is cased."""
-    if cfg.get("lowercase") and not lowercases(proto):
+def _check_lowercase(cfg, folding: bool, what: str, whose: str) -> None:
+    """`ConfigError` when `cfg` asks for a case-folding vocabulary and the one found is cased (`folding` false)."""
+    if cfg.get("lowercase") and not folding:
         raise ConfigError(f"--lowercase (\"lowercase\": true) asks for a case-folding vocabulary, but {what} "
                           f"is cased: drop --lowercase to train with {whose} vocabulary, or train a new one "
                           "(without --tokenizer, in a new --model-dir)")
@@ -229,10 +234,10 @@ def train(cfg: dict, strategy=None) -> dict:
 
     spec = data_spec(cfg)
     train_pairs = load_text_pairs(spec, "train", max_examples=cfg["max_train_examples"])
-    proto = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
+    proto, folding = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
     # config.json records what the vocabulary does (a --tokenizer may case-fold without --lowercase):
     # kt-evaluate scores a case-folding model's output case-insensitively.
-    cfg = {**cfg, "lowercase": lowercases(proto)}
+    cfg = {**cfg, "lowercase": folding}
     tokenizer = make_tokenizer(proto)
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
