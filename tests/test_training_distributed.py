@@ -164,6 +164,22 @@ def _read_meta(path):
         return None
 
 
+def _wait_for_mid_epoch_2(meta_path, procs, timeout: float, log):
+    """Polls a run's backup metadata until a backup was taken mid-way through epoch 2, for the test to kill
+    the run there. Fails naming the wait, not later on missing backups, if `timeout` seconds pass first (a
+    loaded machine) or a process ends."""
+    deadline = time.time() + timeout
+    while all(p.poll() is None for p in procs):
+        meta = _read_meta(meta_path)
+        if meta and meta["epoch"] >= 1 and meta["batch"] > 0:
+            return meta
+        if time.time() > deadline:
+            pytest.fail(f"no backup mid-way through epoch 2 within {timeout:.0f} s (the newest: {meta}); "
+                        f"the log:\n" + log.read_text()[-3000:])
+        time.sleep(0.05)
+    pytest.fail("training ended before it could be killed:\n" + log.read_text()[-3000:])
+
+
 @needs_multi30k
 @pytest.mark.parametrize("max_updates", [None, 75])
 def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
@@ -179,13 +195,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     log1 = open(tmp_path / "run1.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            meta = _read_meta(meta_path)
-            if meta and meta["epoch"] >= 1 and meta["batch"] > 0:  # mid-way through epoch 2
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "training ended before it could be killed:\n" + (tmp_path / "run1.log").read_text()[-3000:]
+        _wait_for_mid_epoch_2(meta_path, [proc], 180, tmp_path / "run1.log")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -288,13 +298,8 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
 
     procs = start(1)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and all(p.poll() is None for p, _ in procs):
-            meta = _read_meta(model_dir / "backup" / "training_metadata.json")
-            if meta and meta["epoch"] >= 1 and meta["batch"] > 0:  # mid-way through epoch 2
-                break
-            time.sleep(0.05)
-        assert all(p.poll() is None for p, _ in procs), (tmp_path / "run1-worker0.log").read_text()[-3000:]
+        _wait_for_mid_epoch_2(model_dir / "backup" / "training_metadata.json", [p for p, _ in procs], 300,
+                              tmp_path / "run1-worker0.log")
         os.kill(procs[1][0].pid, signal.SIGKILL)
         time.sleep(2)
         os.kill(procs[0][0].pid, signal.SIGKILL)
