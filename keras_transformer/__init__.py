@@ -6,7 +6,7 @@ from keras_transformer.decoder import Decoder, DecoderLayer
 from keras_transformer.embedding import PositionalEmbedding, positional_encoding
 from keras_transformer.encoder import Encoder, EncoderLayer
 from keras_transformer.feed_forward import FeedForward
-from keras_transformer.losses import MaskedAccuracy, MaskedSparseCategoricalCrossentropy
+from keras_transformer.losses import MaskedAccuracy, MaskedRDropCrossentropy, MaskedSparseCategoricalCrossentropy
 from keras_transformer.masking import PAD_ID, causal_mask, padding_mask
 from keras_transformer.model import PRESETS, Transformer
 from keras_transformer.scoring import align_targets, score_targets

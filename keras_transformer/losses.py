@@ -1,4 +1,4 @@
-"""The training loss and metric: label smoothing (paper section 5.4), padding ignored."""
+"""The training losses and metric, padding ignored: label smoothing (paper section 5.4), and R-Drop on top of it."""
 
 import keras
 from keras import ops
@@ -125,6 +125,82 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     def get_config(self):
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
+
+
+def symmetric_kl(first_logits, second_logits):
+    """KL(P || Q) + KL(Q || P) per position, with P = softmax(first_logits), Q = softmax(second_logits).
+
+    Equal to sum_v (p_v - q_v) (z_v - w_v) for logits z and w: log p - log q is z - w minus a constant per
+    position (the two log-normalisers), which sum_v (p_v - q_v) = 0 cancels. So neither log-softmax is
+    materialized.
+
+    Shapes: two float logits `[..., vocab]` -> `[...]`.
+    """
+    first_logits, second_logits = ops.cast(first_logits, "float32"), ops.cast(second_logits, "float32")
+    difference = ops.softmax(first_logits, axis=-1) - ops.softmax(second_logits, axis=-1)
+    return ops.sum(difference * (first_logits - second_logits), axis=-1)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
+    """R-Drop (Liang et al., 2021, "R-Drop: Regularized Dropout for Neural Networks"): the label-smoothed
+    cross-entropy of two dropout passes over the same sentences, plus `alpha` times the mean of their two
+    KL divergences.
+
+    The batch holds every sentence twice in a row: rows 2i and 2i + 1 are the same pair (inputs and
+    labels), so that in training mode dropout gives two different predictions P and Q of it. For each real
+    token of such a pair the paper's loss is CE(P) + CE(Q) + alpha / 2 (KL(P || Q) + KL(Q || P)); each row
+    here carries its own CE plus alpha / 4 of the pair's symmetric KL, and the reductions are those of
+    `MaskedSparseCategoricalCrossentropy` over all rows, so the default is the paper's loss averaged over
+    the 2N real tokens of the batch (fairseq's `label_smoothed_cross_entropy_with_rdrop` divides the same
+    sum by N). Without dropout (inference, `model.evaluate`) the two rows agree, the KL is 0 and the loss
+    is `MaskedSparseCategoricalCrossentropy`'s.
+
+    `training.pipeline.make_batches(..., copies=2)` makes such batches (`kt-train --r-drop ALPHA`); with
+    arrays of your own, `np.repeat(x, 2, axis=0)` for inputs and labels alike.
+
+    Args:
+        alpha: the KL's weight (the paper: 5 for its translation tasks); 0 gives the plain loss.
+        label_smoothing: as in `MaskedSparseCategoricalCrossentropy`.
+
+    Shapes:
+        y_true `[2 * pairs, length]` int ids, y_pred `[2 * pairs, length, vocab]` logits -> scalar.
+
+    Example:
+
+    ```python
+    model.compile(optimizer=paper_adam(512), loss=MaskedRDropCrossentropy(alpha=5.0))
+    model.fit((np.repeat(source, 2, 0), np.repeat(target_in, 2, 0)), np.repeat(target_out, 2, 0))
+    ```
+    """
+
+    def __init__(self, alpha=5.0, label_smoothing=0.1, name="masked_r_drop_crossentropy", **kwargs):
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be 0 or more, got {alpha!r}")
+        super().__init__(label_smoothing=label_smoothing, name=name, **kwargs)
+        self.alpha = alpha
+
+    def call(self, y_true, y_pred):
+        """The loss of each token `[2 * pairs, length]`, 0 at padding."""
+        y_true = ops.cast(y_true, "int32")
+        logits = ops.cast(y_pred, "float32")
+        rows = logits.shape[0]
+        if rows is not None and rows % 2:
+            raise ValueError(
+                f"MaskedRDropCrossentropy needs each sentence twice in a row (rows 2i and 2i + 1), so an even "
+                f"number of rows; got {rows}. Repeat the batch: np.repeat(x, 2, axis=0), or "
+                f"make_batches(..., copies=2)."
+            )
+        per_token = smoothed_cross_entropy(logits, y_true, self.label_smoothing)
+        if self.alpha:
+            length, vocab = ops.shape(logits)[1], ops.shape(logits)[2]
+            pairs = ops.reshape(logits, (-1, 2, length, vocab))
+            kl = symmetric_kl(pairs[:, 0], pairs[:, 1])  # [pairs, length]
+            per_token = per_token + (self.alpha / 4.0) * ops.repeat(kl, 2, axis=0)
+        return ops.where(ops.not_equal(y_true, PAD_ID), per_token, 0.0)
+
+    def get_config(self):
+        return {**super().get_config(), "alpha": self.alpha}
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

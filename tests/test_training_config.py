@@ -515,3 +515,43 @@ def test_kt_train_turns_onednn_on_unless_the_user_turns_it_off(user_setting, on)
                           env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("oneDNN custom operations are on" in proc.stderr) == on, proc.stderr[-3000:]
+
+
+@needs_multi30k
+def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_loss(tmp_path, capsys):
+    """kt-train --r-drop ALPHA: R-Drop's loss in training, alpha in config.json, and a validation loss (the
+    batches hold each pair twice, and without dropout the KL is 0) equal to the plain loss on single pairs."""
+    import keras
+
+    import keras_transformer as kt
+    from export.tokenizer import make_tokenizer
+    from keras_transformer.text import read_tokenizer_proto
+    from training.config import check_settings
+    from training.errors import ConfigError
+    from training.data import load_text_pairs
+    from training.fit import compile_model, data_spec, train
+    from training.pipeline import make_batches
+
+    with pytest.raises(ConfigError, match="--r-drop"):
+        check_settings(resolve_config(["--r-drop", "-1"]))
+    model = kt.Transformer.from_preset("tiny", vocab_size=40)
+    compile_model(model, resolve_config(["--r-drop", "2.5", "--label-smoothing", "0.2"]))
+    assert type(model.loss) is kt.MaskedRDropCrossentropy
+    assert (model.loss.alpha, model.loss.label_smoothing) == (2.5, 0.2)
+
+    run = tmp_path / "run"
+    val = [write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 60)) for lang in ("en", "de")]
+    argv = [a for a in two_batch_epochs_args(tmp_path, run) if a != "--no-validation"]
+    cfg = resolve_config(argv + ["--epochs", "2", "--valid-files", *map(str, val), "--no-mixed-precision",
+                                 "--model-arg", "dropout=0.3", "--r-drop", "5"])
+    train(cfg)
+    assert "R-Drop: each sentence twice in its batch" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["training"]["r_drop"] == 5.0
+    last = (run / "history.csv").read_text().strip().splitlines()
+    val_loss = float(dict(zip(last[0].split(","), last[-1].split(",")))["val_loss"])
+    model = keras.models.load_model(run / "model.keras")
+    model.compile(loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=0.1))
+    tokenizer = make_tokenizer(read_tokenizer_proto(run / "tokenizer.model"))
+    single = make_batches(load_text_pairs(data_spec(cfg), "validation"), tokenizer, max_length=128,
+                          tokens_per_batch=400, shuffle=False)
+    assert model.evaluate(single, verbose=0, return_dict=True)["loss"] == pytest.approx(val_loss, rel=1e-5)

@@ -201,3 +201,21 @@ def test_padded_to_bucket_boundaries_for_xla_at_any_max_length(proto, corpus, ma
     assert fitting > 0 and sum(len(target_out) for _, target_out in batches) == fitting
     widths = {source.shape[1] for (source, _), _ in batches}
     assert max(widths) <= max_length and len(widths) <= len(bucket_boundaries(max_length)) + 1
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_r_drop_batches_hold_each_pair_twice_in_a_row(proto, corpus, replicas):
+    """make_batches(copies=2), what kt-train --r-drop trains and validates on: the batches of copies=1 with every
+    row repeated in place (rows 2i and 2i + 1), so that MaskedRDropCrossentropy pairs the same sentence."""
+    tok = make_tokenizer(proto)
+    pairs = tf.data.Dataset.from_tensor_slices((corpus[0][:600], corpus[1][:600]))
+    common = dict(max_length=40, tokens_per_batch=600, num_replicas=replicas, shuffle=False)
+    single = list(make_batches(pairs, tok, **common).as_numpy_iterator())
+    double = list(make_batches(pairs, tok, copies=2, **common).as_numpy_iterator())
+    assert len(double) == len(single) > 3
+    for ((s1, ti1), to1), ((s2, ti2), to2) in zip(single, double, strict=True):
+        for one, two in ((s1, s2), (ti1, ti2), (to1, to2)):
+            np.testing.assert_array_equal(two, np.repeat(one, 2, axis=0))
+        assert len(s2) % (2 * replicas) == 0  # each replica's contiguous share holds whole pairs
+    with pytest.raises(ValueError, match="copies must be 1 or more"):
+        make_batches(pairs, tok, copies=0)

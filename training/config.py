@@ -43,6 +43,7 @@ DEFAULTS = {
     "warmup_steps": 4000,
     "learning_rate_scale": 1.0,
     "label_smoothing": 0.1,
+    "r_drop": None,
     "adam_epsilon": None,
     "global_clipnorm": None,
     "epochs": 10,
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--learning-rate-scale", type=float,
                    help="multiply the paper's learning-rate curve by this (default 1; OpenNMT-tf's NoamDecay scale)")
     g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--r-drop", type=float, metavar="ALPHA",
+                   help="R-Drop (Liang et al., 2021): every training and validation pair twice in its batch, and "
+                   "ALPHA times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to "
+                   "the loss (the paper: 5 for translation); an update costs about twice as much (default: off)")
     g.add_argument("--adam-epsilon", type=float,
                    help="Adam's epsilon (default 1e-9, the paper's; fairseq's default is 1e-8)")
     g.add_argument("--global-clipnorm", type=float, metavar="NORM",
@@ -207,6 +212,8 @@ def check_settings(cfg) -> None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
     if (cfg.get("subword_sampling") or 0) < 0:
         raise ConfigError(f"--subword-sampling must be positive (or 0 for off), got {cfg['subword_sampling']}")
+    if (cfg.get("r_drop") or 0) < 0:
+        raise ConfigError(f"--r-drop (r_drop) must be positive (or 0 for off), got {cfg['r_drop']!r}")
 
 
 def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:

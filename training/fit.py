@@ -140,9 +140,14 @@ def compile_model(model, cfg, optimizer=None):
     if optimizer is None:
         optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"],
                                   scale=cfg["learning_rate_scale"], **kwargs)
+    if cfg.get("r_drop"):
+        # The training and validation batches hold every pair twice in a row (make_batches(copies=2), in train()).
+        loss = kt.MaskedRDropCrossentropy(alpha=cfg["r_drop"], label_smoothing=cfg["label_smoothing"])
+    else:
+        loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"])
     model.compile(
         optimizer=optimizer,
-        loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"]),
+        loss=loss,
         metrics=[kt.MaskedAccuracy()],
         jit_compile=bool(cfg["jit_compile"]),
     )
@@ -152,7 +157,7 @@ def compile_model(model, cfg, optimizer=None):
 def build_and_compile(cfg, vocab_size: int, optimizer=None):
     """Model + optimizer + loss, built (variables created) in the current strategy scope."""
     model = build_model(cfg, vocab_size)
-    dummy = np.ones((1, 2), "int32")
+    dummy = np.ones((2, 2), "int32")  # two rows: one pair for R-Drop's loss
     model((dummy, dummy))
     compile_model(model, cfg, optimizer)
     model.optimizer.build(model.trainable_variables)
@@ -246,8 +251,11 @@ def train(cfg: dict, strategy=None) -> dict:
     steps = cfg["steps_per_epoch"]
     alpha = cfg["subword_sampling"]
     train_tokenizer = make_tokenizer(proto, sampling_alpha=alpha) if alpha else tokenizer
+    # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
+    # the loss is the plain one. The batch counts below see each pair once: what an update trains on.
+    copies = 2 if cfg.get("r_drop") else 1
     train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
-                            seed=cfg["seed"], repeat=bool(steps), **batch_args)
+                            seed=cfg["seed"], repeat=bool(steps), copies=copies, **batch_args)
     batch_contents = None
     if is_chief:
         # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
@@ -260,11 +268,12 @@ def train(cfg: dict, strategy=None) -> dict:
               f"on average ({batch_contents['target_tokens']:,.0f} per batch, "
               f"{batch_contents['padded_target_tokens']:,.0f} with padding, {batch_contents['sentences']:.0f} "
               f"sentences; the first {batch_contents['batches']} batches"
-              f"{f', {accum} batches per update' if accum > 1 else ''})", flush=True)
+              f"{f', {accum} batches per update' if accum > 1 else ''})"
+              f"{'; R-Drop: each sentence twice in its batch' if copies > 1 else ''}", flush=True)
     val_ds = val_bleu = None
     if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
         val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
-        val_ds = make_batches(val_pairs, tokenizer, shuffle=False, **batch_args)
+        val_ds = make_batches(val_pairs, tokenizer, shuffle=False, copies=copies, **batch_args)
         if cfg["val_bleu"]:
             texts = [(s.decode("utf-8"), t.decode("utf-8")) for s, t in val_pairs.as_numpy_iterator()]
             val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer, cfg["max_length"],

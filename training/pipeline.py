@@ -39,7 +39,7 @@ def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_r
 def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
                  tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH, num_replicas: int = 1,
                  shuffle: bool = True, shuffle_buffer: int = 20_000, seed: int | None = 1234,
-                 repeat: bool = False, pad_to_bucket_boundary: bool = False):
+                 repeat: bool = False, pad_to_bucket_boundary: bool = False, copies: int = 1):
     """Turns a dataset of `(source_text, target_text)` into padded, length-bucketed batches.
 
     Pairs whose source or target_in would be longer than `max_length` are dropped.
@@ -47,7 +47,13 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
     Yields `((source, target_in), target_out)`, as `model.fit` takes them.
     `pad_to_bucket_boundary` pads every batch to its bucket's longest length, so
     only a few distinct shapes occur (for XLA, which compiles once per shape).
+    `copies` 2 puts every pair twice in a row in its batch (rows 2i and 2i + 1), as
+    `keras_transformer.MaskedRDropCrossentropy` (R-Drop) needs: the budget then
+    counts each pair once, and with `num_replicas` every replica's share of a
+    batch holds whole pairs.
     """
+    if copies < 1:
+        raise ValueError(f"copies must be 1 or more, got {copies}")
     ds = pairs
     if shuffle:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
@@ -76,6 +82,10 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
             return s[:n], ti[:n], to[:n]
 
         ds = ds.map(trim).filter(lambda s, ti, to: tf.shape(s)[0] > 0)
+    if copies > 1:
+        # After the trim: a batch of n * num_replicas pairs, repeated, splits into num_replicas
+        # contiguous shares of copies * n rows each, so no pair straddles two replicas.
+        ds = ds.map(lambda s, ti, to: tuple(tf.repeat(t, copies, axis=0) for t in (s, ti, to)))
     if shuffle:
         ds = ds.shuffle(64, seed=seed, reshuffle_each_iteration=True)
     if repeat:

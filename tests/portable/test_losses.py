@@ -135,3 +135,93 @@ def test_masked_accuracy_weights_hits_and_real_tokens_by_sample_weight():
     expected = (w * hits * real).sum() / (w * real).sum()
     assert expected != pytest.approx((hits * real).sum() / real.sum())  # the weights matter here
     assert float(metric.result()) == pytest.approx(expected, rel=1e-6)
+
+
+def _log_softmax(logits):
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _r_drop_reference(labels, logits, eps, alpha):
+    """R-Drop's loss from the paper's definitions: for each pair of rows (2i, 2i + 1) and real token,
+    CE(P) + CE(Q) + alpha / 2 (KL(P || Q) + KL(Q || P)), with each KL written as sum p (log p - log q);
+    averaged over the real tokens of both rows."""
+    ce = _reference_per_token(labels, logits, eps)
+    log_p, log_q = _log_softmax(logits[0::2]), _log_softmax(logits[1::2])
+    kl_pq = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    kl_qp = (np.exp(log_q) * (log_q - log_p)).sum(-1)
+    per_pair = ce[0::2] + ce[1::2] + alpha / 2 * (kl_pq + kl_qp)
+    real = labels[0::2] != 0
+    return per_pair[real].sum() / (2 * real.sum())
+
+
+def _paired_batch(seed, pairs=3, length=5, vocab=9):
+    """Labels with padding, each row twice in a row, and logits that differ between the two rows of a pair."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(1, vocab, size=(pairs, length))
+    labels[0, 3:] = 0
+    labels[-1, 1:] = 0
+    return np.repeat(labels, 2, axis=0), rng.normal(size=(2 * pairs, length, vocab)).astype("float32") * 3
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.7, 5.0])
+def test_r_drop_loss_is_both_passes_cross_entropy_plus_alpha_times_their_symmetric_kl(alpha):
+    labels, logits = _paired_batch(5)
+    loss = kt.MaskedRDropCrossentropy(alpha=alpha, label_smoothing=0.1)
+    expected = _r_drop_reference(labels, logits, 0.1, alpha)
+    assert float(loss(labels, logits)) == pytest.approx(expected, rel=1e-5)
+    if alpha:
+        # The KL term is there: the plain loss of the same rows is lower.
+        assert expected > _reference(labels, logits, 0.1) + 0.01
+    # Padding is ignored: whatever the logits there, the loss is the same.
+    logits[0:2, 3:] = 50.0 * np.arange(9)
+    assert float(loss(labels, logits)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_r_drop_loss_of_agreeing_passes_is_the_plain_loss():
+    # Two identical predictions (dropout off: evaluation) have no KL; the loss is the label-smoothed one.
+    labels, logits = _paired_batch(6)
+    logits[1::2] = logits[0::2]
+    plain = float(kt.MaskedSparseCategoricalCrossentropy(label_smoothing=0.1)(labels, logits))
+    assert float(kt.MaskedRDropCrossentropy(alpha=5.0, label_smoothing=0.1)(labels, logits)) == pytest.approx(
+        plain, rel=1e-6)
+
+
+def test_symmetric_kl_is_the_sum_of_both_kl_divergences():
+    from keras_transformer.losses import symmetric_kl
+
+    rng = np.random.default_rng(7)
+    z, w = rng.normal(size=(2, 4, 11)).astype("float32") * 5
+    log_p, log_q = _log_softmax(z), _log_softmax(w)
+    expected = (np.exp(log_p) * (log_p - log_q)).sum(-1) + (np.exp(log_q) * (log_q - log_p)).sum(-1)
+    np.testing.assert_allclose(to_numpy(symmetric_kl(z, w)), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(symmetric_kl(z, z + 3.0)), 0.0, atol=1e-6)  # a shift is the same P
+
+
+def test_r_drop_loss_gradient_is_that_of_the_textbook_formula():
+    labels, logits = _paired_batch(8)
+    mask = ops.convert_to_tensor(labels != 0, "float32")
+
+    def reference_loss(logits):
+        log_probs = ops.log_softmax(logits)
+        log_p_y = ops.take_along_axis(log_probs, ops.convert_to_tensor(labels[..., None]), axis=-1)[..., 0]
+        ce = 0.9 * -log_p_y + 0.1 * -ops.mean(log_probs, axis=-1)
+        log_p, log_q = log_probs[0::2], log_probs[1::2]
+        kl = ops.sum(ops.exp(log_p) * (log_p - log_q) + ops.exp(log_q) * (log_q - log_p), axis=-1)
+        per_row = ce + 5.0 / 4.0 * ops.repeat(kl, 2, axis=0)
+        return ops.sum(per_row * mask) / ops.sum(mask)
+
+    loss = kt.MaskedRDropCrossentropy(alpha=5.0, label_smoothing=0.1)
+    ours, (grad,) = gradients(lambda logits: loss(labels, logits), [logits])
+    reference, (reference_grad,) = gradients(reference_loss, [logits])
+    np.testing.assert_allclose(float(ours), float(reference), rtol=1e-5)
+    np.testing.assert_allclose(grad, reference_grad, atol=1e-6)
+    assert (grad[0:2, 3:] == 0).all()  # padding gets no gradient
+
+
+def test_r_drop_loss_refuses_an_odd_batch_and_a_negative_alpha():
+    labels, logits = _paired_batch(9)
+    with pytest.raises(ValueError, match="each sentence twice in a row"):
+        kt.MaskedRDropCrossentropy()(labels[:5], logits[:5])
+    with pytest.raises(ValueError, match="alpha must be 0 or more"):
+        kt.MaskedRDropCrossentropy(alpha=-1.0)
