@@ -327,9 +327,11 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     exactly: the greedy row here runs in a batch of `beam_size + 1` rows per
     sentence, `greedy_decode`'s in a batch of one, and a backend's bfloat16
     matmuls may round a row differently by batch shape (JAX on the CPU and
-    GPUs do), so the score can fall below `greedy_decode`'s by that rounding:
-    on the CPU, by at most bfloat16's relative precision (2^-8) of the score,
-    as tested (docs/benchmarks-log.md, "Beam against greedy in bfloat16").
+    GPUs do), so the score can fall below `greedy_decode`'s by that rounding,
+    mostly by at most bfloat16's relative precision (2^-8) of the score; and
+    where that rounding turns a near-tie the other way, the greedy row takes
+    another path, which may end lower than that (rare: docs/benchmarks-log.md,
+    "Beam against greedy in bfloat16").
 
     Args:
         model: a `Transformer`.
