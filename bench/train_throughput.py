@@ -4,6 +4,8 @@
     .venv/bin/python bench/train_throughput.py --presets small --steps 10
     .venv/bin/python bench/train_throughput.py --configs configs/multi30k.json my-recipe.json \
         --precisions fp32 --replica-counts 1 --rounds 3          # two recipes' models, alternating
+    .venv/bin/python bench/train_throughput.py --configs configs/multi30k-best.json --precisions bf16 \
+        --replica-counts 1 --r-drop 0 5 --rounds 3                # what R-Drop costs an update
 
 Each configuration runs in its own subprocess (logical CPU devices and the
 dtype policy must be set before TensorFlow initializes). The model is built and
@@ -21,6 +23,11 @@ Two replicas = two logical CPU devices sharing the same cores.
 (their "preset", "model" overrides, "vocab_size" and "tokens_per_batch"), to
 compare what an epoch of one recipe costs against another's; `--rounds N`
 alternates all configurations N times, as this machine's speed drifts.
+
+`--r-drop ALPHA ...` measures each configuration with kt-train's `--r-drop ALPHA` (0: off): R-Drop's loss,
+and every sentence twice in its batch, as `make_batches(copies=2)` makes them. The token budget counts
+each pair once (as kt-train's does), so target tokens per second count the sentences learned from, and the
+ratio of two median steps is what R-Drop costs an update.
 """
 
 from __future__ import annotations
@@ -116,6 +123,7 @@ def worker(args) -> dict:
     cfg = dict(DEFAULTS, preset=args.preset or DEFAULTS["preset"], model={})
     if args.config_file:
         cfg.update(recipe_settings(args.config_file))
+    cfg["r_drop"] = args.r_drop_alpha or None
     with strategy.scope():
         model = build_and_compile(cfg, args.vocab_size)
     batch = args.tokens_per_batch // args.length
@@ -123,6 +131,8 @@ def worker(args) -> dict:
     rng = np.random.default_rng(0)
     src = rng.integers(4, args.vocab_size, size=(batch, args.length), dtype=np.int32)
     tgt = rng.integers(4, args.vocab_size, size=(batch, args.length + 1), dtype=np.int32)
+    if cfg["r_drop"]:
+        src, tgt = np.repeat(src, 2, axis=0), np.repeat(tgt, 2, axis=0)  # rows 2i, 2i + 1: one pair
     ds = tf.data.Dataset.from_tensors(((src, tgt[:, :-1]), tgt[:, 1:])).repeat()
 
     timed = timed_fit(model, ds, args.warmup, args.steps)
@@ -130,7 +140,8 @@ def worker(args) -> dict:
     target_tokens = batch * args.length
     return {
         "preset": args.config_file or args.preset, "precision": policy, "replicas": args.replicas,
-        "batch": f"{batch}x{args.length}", "target_tokens_per_step": target_tokens,
+        "r_drop": args.r_drop_alpha,
+        "batch": f"{len(src)}x{args.length}", "target_tokens_per_step": target_tokens,
         "median_step_s": round(median, 4), "target_tokens_per_s": round(target_tokens / median, 1),
         "steps_timed": len(timed), "params": model.count_params(),
     }
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 small, 2 base/big)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 small, 4 base/big)")
+    p.add_argument("--r-drop", nargs="+", type=float, default=[0.0], metavar="ALPHA",
+                   help="measure with kt-train's --r-drop ALPHA too (0: off; default: 0 only)")
     p.add_argument("--json", help="also write the results here")
     # internal: one configuration
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -162,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     p.add_argument("--config-file", help=argparse.SUPPRESS)
+    p.add_argument("--r-drop-alpha", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -183,27 +197,29 @@ def main(argv=None) -> int:
             tokens_per_batch = settings.get("tokens_per_batch", args.tokens_per_batch)
             for precision in args.precisions:
                 for replicas in args.replica_counts:
-                    cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
-                           "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
-                           "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
-                           "--vocab-size", str(vocab_size)]
-                    r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas}")
-                    if r is None:
-                        continue
-                    r.update(wall_s=round(seconds, 1), round=round_)
-                    results.append(r)
-                    print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas}  "
-                          f"{r['target_tokens_per_s']:9.1f} target tok/s  (median step {r['median_step_s']:.3f}s, "
-                          f"batch {r['batch']}, {r['wall_s']}s wall)", flush=True)
+                    for alpha in args.r_drop:
+                        cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
+                               "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
+                               "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
+                               "--vocab-size", str(vocab_size), "--r-drop-alpha", str(alpha)]
+                        r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas} r-drop {alpha:g}")
+                        if r is None:
+                            continue
+                        r.update(wall_s=round(seconds, 1), round=round_)
+                        results.append(r)
+                        print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas} "
+                              f"r-drop={alpha:g}  {r['target_tokens_per_s']:9.1f} target tok/s  "
+                              f"(median step {r['median_step_s']:.3f}s, batch {r['batch']}, {r['wall_s']}s wall)",
+                              flush=True)
 
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
           f"total {time.time() - t_start:.0f}s\n")
-    print("| round | model | precision | replicas | parameters | batch (sentences x tokens) | median step (s) "
-          "| target tokens/s |")
-    print("|---|---|---|---|---:|---|---|---|")
+    print("| round | model | precision | replicas | R-Drop alpha | parameters | batch (sentences x tokens) "
+          "| median step (s) | target tokens/s |")
+    print("|---|---|---|---|---|---:|---|---|---|")
     for r in results:
-        print(f"| {r['round']} | {r['preset']} | {r['precision']} | {r['replicas']} | {r['params']:,} | {r['batch']} "
-              f"| {r['median_step_s']:.3f} | {r['target_tokens_per_s']:,.0f} |")
+        print(f"| {r['round']} | {r['preset']} | {r['precision']} | {r['replicas']} | {r['r_drop']:g} "
+              f"| {r['params']:,} | {r['batch']} | {r['median_step_s']:.3f} | {r['target_tokens_per_s']:,.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

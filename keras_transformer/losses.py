@@ -6,8 +6,8 @@ from keras import ops
 from keras_transformer.masking import PAD_ID
 
 
-def smoothed_cross_entropy(logits, labels, label_smoothing):
-    """Label-smoothed cross-entropy per position, from float32 logits.
+def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
+    """Label-smoothed cross-entropy per position, from float32 logits; with `kl_weight`, R-Drop's KL term too.
 
     With z the logits, V the vocabulary and eps the smoothing:
     (1 - eps) * (-log p_y) + eps * mean_v(-log p_v) = lse(z) - (1 - eps) z_y - eps mean(z),
@@ -15,7 +15,18 @@ def smoothed_cross_entropy(logits, labels, label_smoothing):
     custom gradient), it never materializes log_softmax over the vocabulary, and
     the backward pass is one multiply plus a scatter of one value per position.
 
-    Shapes: logits `[batch, length, vocab]`, labels `[batch, length]` -> `[batch, length]`.
+    With `kl_weight` > 0, rows 2i and 2i + 1 are two predictions of the same
+    sentence, and each row's value adds `kl_weight` times the pair's symmetric
+    KL(P || Q) + KL(Q || P). For the logits z of one row and w of its partner,
+    p and q their softmaxes and d = z - w, that is sum_v (p_v - q_v) d_v (log p
+    - log q is d minus a constant per position, which sum_v (p_v - q_v) = 0
+    cancels), with gradient (p - q) + p (d - <p, d>) for z, and the same with
+    the roles swapped for w. The softmax of each row is taken once for both
+    terms, and the backward pass needs nothing that automatic differentiation
+    would save.
+
+    Shapes: logits `[batch, length, vocab]`, labels `[batch, length]` -> `[batch, length]`
+    (with `kl_weight`, an even batch).
     """
     vocab_size = ops.cast(ops.shape(logits)[-1], logits.dtype)
 
@@ -26,10 +37,19 @@ def smoothed_cross_entropy(logits, labels, label_smoothing):
         lse = ops.max(z, axis=-1) - ops.log(ops.max(probs, axis=-1))
         z_y = ops.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
         value = lse - (1.0 - label_smoothing) * z_y - label_smoothing * ops.mean(z, axis=-1)
+        if kl_weight:
+            gap = z - _partner(z)  # d: the same for both rows of a pair, up to its sign
+            prob_gap = probs - _partner(probs)
+            value = value + kl_weight * ops.sum(prob_gap * gap, axis=-1)
 
         def grad(*args, upstream=None):  # PyTorch passes `upstream` by name, TensorFlow and JAX positionally
             upstream = args[-1] if upstream is None else upstream
             g = probs * upstream[..., None] - (upstream * (label_smoothing / vocab_size))[..., None]
+            if kl_weight:
+                # Both rows of a pair carry the KL, so each row's share of it gets both rows' upstream.
+                kl_upstream = (kl_weight * (upstream + _partner(upstream)))[..., None]
+                centred = gap - ops.sum(probs * gap, axis=-1, keepdims=True)
+                g = g + kl_upstream * (prob_gap + probs * centred)
             # -(1 - eps) upstream at each label: one value per position, not a pass over a one-hot.
             at_label = ops.take_along_axis(g, labels[..., None], axis=-1)[..., 0] - (1.0 - label_smoothing) * upstream
             return ops.scatter_update(g, _label_indices(labels), ops.reshape(at_label, (-1,)))
@@ -37,6 +57,12 @@ def smoothed_cross_entropy(logits, labels, label_smoothing):
         return value, grad
 
     return loss(logits)
+
+
+def _partner(x):
+    """`x` `[2 * pairs, ...]` with rows 2i and 2i + 1 swapped: each row's partner in its pair."""
+    pairs = ops.reshape(x, (-1, 2, *ops.shape(x)[1:]))
+    return ops.reshape(ops.flip(pairs, axis=1), ops.shape(x))
 
 
 def _label_indices(labels):
@@ -127,20 +153,6 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         return {**super().get_config(), "label_smoothing": self.label_smoothing}
 
 
-def symmetric_kl(first_logits, second_logits):
-    """KL(P || Q) + KL(Q || P) per position, with P = softmax(first_logits), Q = softmax(second_logits).
-
-    Equal to sum_v (p_v - q_v) (z_v - w_v) for logits z and w: log p - log q is z - w minus a constant per
-    position (the two log-normalisers), which sum_v (p_v - q_v) = 0 cancels. So neither log-softmax is
-    materialized.
-
-    Shapes: two float logits `[..., vocab]` -> `[...]`.
-    """
-    first_logits, second_logits = ops.cast(first_logits, "float32"), ops.cast(second_logits, "float32")
-    difference = ops.softmax(first_logits, axis=-1) - ops.softmax(second_logits, axis=-1)
-    return ops.sum(difference * (first_logits - second_logits), axis=-1)
-
-
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
     """R-Drop (Liang et al., 2021, "R-Drop: Regularized Dropout for Neural Networks"): the label-smoothed
@@ -191,12 +203,7 @@ class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
                 f"number of rows; got {rows}. Repeat the batch: np.repeat(x, 2, axis=0), or "
                 f"make_batches(..., copies=2)."
             )
-        per_token = smoothed_cross_entropy(logits, y_true, self.label_smoothing)
-        if self.alpha:
-            length, vocab = ops.shape(logits)[1], ops.shape(logits)[2]
-            pairs = ops.reshape(logits, (-1, 2, length, vocab))
-            kl = symmetric_kl(pairs[:, 0], pairs[:, 1])  # [pairs, length]
-            per_token = per_token + (self.alpha / 4.0) * ops.repeat(kl, 2, axis=0)
+        per_token = smoothed_cross_entropy(logits, y_true, self.label_smoothing, kl_weight=self.alpha / 4.0)
         return ops.where(ops.not_equal(y_true, PAD_ID), per_token, 0.0)
 
     def get_config(self):

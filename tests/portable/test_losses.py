@@ -187,20 +187,21 @@ def test_r_drop_loss_of_agreeing_passes_is_the_plain_loss():
         plain, rel=1e-6)
 
 
-def test_symmetric_kl_is_the_sum_of_both_kl_divergences():
-    from keras_transformer.losses import symmetric_kl
-
-    rng = np.random.default_rng(7)
-    z, w = rng.normal(size=(2, 4, 11)).astype("float32") * 5
-    log_p, log_q = _log_softmax(z), _log_softmax(w)
-    expected = (np.exp(log_p) * (log_p - log_q)).sum(-1) + (np.exp(log_q) * (log_q - log_p)).sum(-1)
-    np.testing.assert_allclose(to_numpy(symmetric_kl(z, w)), expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(to_numpy(symmetric_kl(z, z + 3.0)), 0.0, atol=1e-6)  # a shift is the same P
+def test_r_drop_loss_sees_no_divergence_between_logits_a_constant_apart():
+    # Logits that differ by a constant per position are the same distribution: KL 0, the plain loss.
+    labels, logits = _paired_batch(7)
+    logits[1::2] = logits[0::2] + np.random.default_rng(7).normal(size=(3, 5, 1)).astype("float32") * 4
+    plain = float(kt.MaskedSparseCategoricalCrossentropy(label_smoothing=0.1)(labels, logits))
+    assert float(kt.MaskedRDropCrossentropy(alpha=5.0, label_smoothing=0.1)(labels, logits)) == pytest.approx(
+        plain, rel=1e-5)
 
 
-def test_r_drop_loss_gradient_is_that_of_the_textbook_formula():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_r_drop_loss_gradient_is_that_of_the_textbook_formula(weighted):
+    # Weighted: the two rows of a pair weigh differently, so each row's KL gradient needs both rows' upstream.
     labels, logits = _paired_batch(8)
-    mask = ops.convert_to_tensor(labels != 0, "float32")
+    weights = np.random.default_rng(8).uniform(0.2, 2.0, size=labels.shape).astype("float32") if weighted else None
+    mask = ops.convert_to_tensor((labels != 0) * (1.0 if weights is None else weights), "float32")
 
     def reference_loss(logits):
         log_probs = ops.log_softmax(logits)
@@ -212,7 +213,7 @@ def test_r_drop_loss_gradient_is_that_of_the_textbook_formula():
         return ops.sum(per_row * mask) / ops.sum(mask)
 
     loss = kt.MaskedRDropCrossentropy(alpha=5.0, label_smoothing=0.1)
-    ours, (grad,) = gradients(lambda logits: loss(labels, logits), [logits])
+    ours, (grad,) = gradients(lambda logits: loss(labels, logits, sample_weight=weights), [logits])
     reference, (reference_grad,) = gradients(reference_loss, [logits])
     np.testing.assert_allclose(float(ours), float(reference), rtol=1e-5)
     np.testing.assert_allclose(grad, reference_grad, atol=1e-6)
