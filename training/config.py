@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--r-drop", type=float, metavar="ALPHA",
                    help="R-Drop (Liang et al., 2021): every training and validation pair twice in its batch, and "
                    "ALPHA times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to "
-                   "the loss (the paper: 5 for translation); an update costs about twice as much (default: off)")
+                   "the loss (the paper: 5 for translation); an update costs over twice as much (default: off)")
     g.add_argument("--adam-epsilon", type=float,
                    help="Adam's epsilon (default 1e-9, the paper's; fairseq's default is 1e-8)")
     g.add_argument("--global-clipnorm", type=float, metavar="NORM",
