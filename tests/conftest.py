@@ -8,6 +8,7 @@ loader script).
 
 import atexit
 import base64
+import csv
 import fcntl
 import json
 import os
@@ -206,6 +207,13 @@ def write_lines(path, lines):
     `path` (returned)."""
     path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode("utf-8")) + b"\n" for line in lines))
     return path
+
+
+def history_rows(model_dir):
+    """Every row of MODEL_DIR/history.csv (Keras' CSVLogger; a resumed run appends, so an epoch may repeat), in
+    order, as dicts of strings: `[{"epoch": "0", "loss": ..., ...}, ...]`."""
+    with open(Path(model_dir) / "history.csv", newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
 
 
 def two_batch_epochs_args(tmp_path, model_dir):

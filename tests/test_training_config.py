@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import COMMAND_ENV, MULTI30K, REPO, SUBPROCESS_ENV, TF_LOG_LINE, multi30k_lines, needs_multi30k
-from conftest import two_batch_epochs_args, write_lines
+from conftest import history_rows, two_batch_epochs_args, write_lines
 from training import ONEDNN_ENV
 from training.config import DEFAULTS, resolve_config
 
@@ -242,8 +242,7 @@ def test_a_finished_run_continues_from_its_last_state_to_a_larger_bound(tmp_path
     assert summary["optimizer_steps"] == 6 and summary["epochs_run"] == [3, 4]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         f"epoch-00{e}.weights.h5" for e in (1, 2, 3, 4)]
-    rows = (run / "history.csv").read_text().splitlines()
-    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "3"]
+    assert [row["epoch"] for row in history_rows(run)] == ["0", "1", "2", "3"]
     assert not (run / "backup").exists() and not (run / "backup.continue").exists()
     assert json.loads((run / "config.json").read_text())["last_run"]["optimizer_steps"] == 6
 
@@ -547,8 +546,7 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     train(cfg)
     assert "R-Drop: each sentence twice in its batch" in capsys.readouterr().out
     assert json.loads((run / "config.json").read_text())["training"]["r_drop"] == 5.0
-    last = (run / "history.csv").read_text().strip().splitlines()
-    val_loss = float(dict(zip(last[0].split(","), last[-1].split(",")))["val_loss"])
+    val_loss = float(history_rows(run)[-1]["val_loss"])
     model = keras.models.load_model(run / "model.keras")
     model.compile(loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=0.1))
     tokenizer = make_tokenizer(read_tokenizer_proto(run / "tokenizer.model"))

@@ -160,7 +160,7 @@ def test_train_cli_reports_bad_data_clearly(tmp_path, capsys):
     assert "does not exist" in err and "github.com/multi30k/dataset" in err
     assert main(args + ["--train-files", str(src), str(tgt), "--subword-sampling", "-0.2"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "kt-train: error: --subword-sampling must be positive (or 0 for off), got -0.2"
+    assert err.strip() == "kt-train: error: --subword-sampling (subword_sampling) must be positive (or 0 for off), got -0.2"
 
 
 def test_tfds_translation_dataset_by_name(tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import MULTI30K, REPO, needs_multi30k
+from conftest import MULTI30K, REPO, history_rows, needs_multi30k
 
 
 def _env(**extra):
@@ -228,8 +228,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     # Only the remaining epochs ran, starting with the interrupted one.
     assert summary["epochs_run"] == list(range(killed_at["epoch"] + 1, last_epoch + 1))
     # Every epoch is in the history (first run + resumed run), none lost.
-    rows = (model_dir / "history.csv").read_text().strip().splitlines()[1:]
-    assert sorted(int(r.split(",")[0]) for r in rows) == list(range(last_epoch))
+    assert sorted(int(row["epoch"]) for row in history_rows(model_dir)) == list(range(last_epoch))
     assert (model_dir / "model.keras").exists()
     assert not (model_dir / "backup").exists()  # removed after a finished run
     assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
@@ -345,6 +344,5 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
     assert summaries[0]["epochs_run"] == list(range(epoch, epochs + 1))
     assert summaries[0]["optimizer_steps"] == summaries[1]["optimizer_steps"] == step + (epochs - epoch + 1) * steps
     # Every planned epoch is in the history, none lost (the interrupted one appears twice: it ran again).
-    rows = (model_dir / "history.csv").read_text().strip().splitlines()[1:]
-    assert sorted({int(r.split(",")[0]) for r in rows}) == list(range(epochs))
+    assert sorted({int(row["epoch"]) for row in history_rows(model_dir)}) == list(range(epochs))
     assert (model_dir / "model.keras").exists()

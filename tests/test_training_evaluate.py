@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import multi30k_lines as _lines
-from conftest import needs_multi30k
+from conftest import history_rows, needs_multi30k
 from conftest import write_lines as _write
 
 SACREBLEU = Path(sys.executable).parent / "sacrebleu"
@@ -194,8 +194,7 @@ def test_max_updates_stops_in_the_middle_of_an_epoch_and_records_the_batches(tra
     cfg = json.loads((trained_dir / "config.json").read_text())
     assert cfg["last_run"]["optimizer_steps"] == 20 and cfg["last_run"]["stopped_by_max_updates"]
     assert cfg["last_run"]["epochs_run"] == [1, 2, 3]
-    rows = (trained_dir / "history.csv").read_text().strip().splitlines()[1:]
-    assert [int(r.split(",")[0]) for r in rows] == [0, 1, 2]
+    assert [int(row["epoch"]) for row in history_rows(trained_dir)] == [0, 1, 2]
     batches = cfg["batches"]
     assert 0 < batches["target_tokens"] <= batches["padded_target_tokens"] <= 500  # --tokens-per-batch
     assert batches["target_tokens_per_update"] == round(batches["target_tokens"])

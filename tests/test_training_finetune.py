@@ -12,7 +12,7 @@ import tensorflow as tf
 from sacrebleu.metrics import BLEU
 
 import keras_transformer as kt
-from conftest import QUICK_MODEL_MAX_LENGTH, multi30k_lines, write_lines
+from conftest import QUICK_MODEL_MAX_LENGTH, history_rows, multi30k_lines, write_lines
 from export.tokenizer import decode_output, encode_source, make_tokenizer
 from export.translator import read_config
 from keras_transformer.text import END_ID, START_ID
@@ -52,11 +52,6 @@ def fine_tuned(quick_model_dir, tmp_path_factory):
     return {"model_dir": model_dir, "summary": summary, "val_pairs": val_pairs, "cfg": cfg}
 
 
-def _history(model_dir):
-    with open(model_dir / "history.csv", newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def test_init_from_reuses_the_vocabulary_architecture_and_weights(quick_model_dir, fine_tuned):
     model_dir, summary = fine_tuned["model_dir"], fine_tuned["summary"]
     assert (model_dir / "tokenizer.model").read_bytes() == (quick_model_dir / "tokenizer.model").read_bytes()
@@ -78,7 +73,7 @@ def test_init_from_reuses_the_vocabulary_architecture_and_weights(quick_model_di
 
 
 def test_fine_tuning_lowers_the_validation_loss_on_the_new_domain(fine_tuned):
-    val_losses = [float(row["val_loss"]) for row in _history(fine_tuned["model_dir"])]
+    val_losses = [float(row["val_loss"]) for row in history_rows(fine_tuned["model_dir"])]
     assert len(val_losses) == 3
     assert val_losses[-1] < fine_tuned["summary"]["initial_val_loss"] - 0.1, val_losses
 
@@ -86,7 +81,7 @@ def test_fine_tuning_lowers_the_validation_loss_on_the_new_domain(fine_tuned):
 def test_val_bleu_is_the_greedy_bleu_of_that_epoch(fine_tuned):
     """history.csv's val_bleu of the last epoch, recomputed from that epoch's checkpoint."""
     model_dir = fine_tuned["model_dir"]
-    rows = _history(model_dir)
+    rows = history_rows(model_dir)
     assert [row["epoch"] for row in rows] == ["0", "1", "2"]
     model = keras.models.load_model(model_dir / "model.keras", compile=False)
     model.load_weights(model_dir / "checkpoints" / "epoch-003.weights.h5")
@@ -103,7 +98,7 @@ def test_val_bleu_is_the_greedy_bleu_of_that_epoch(fine_tuned):
 @pytest.mark.parametrize("by", ["val_loss", "val_bleu"])
 def test_average_the_best_checkpoints(fine_tuned, tmp_path, capsys, by):
     model_dir = fine_tuned["model_dir"]
-    scores = {int(row["epoch"]) + 1: float(row[by]) for row in _history(model_dir)}
+    scores = {int(row["epoch"]) + 1: float(row[by]) for row in history_rows(model_dir)}
     higher_is_better = by == "val_bleu"
     ranked = sorted(scores, key=lambda e: -scores[e] if higher_is_better else scores[e])
     out = tmp_path / "best.keras"

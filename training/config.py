@@ -210,10 +210,10 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
     if cfg.get("epochs") is None and cfg.get("max_updates") is None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
-    if (cfg.get("subword_sampling") or 0) < 0:
-        raise ConfigError(f"--subword-sampling must be positive (or 0 for off), got {cfg['subword_sampling']}")
-    if (cfg.get("r_drop") or 0) < 0:
-        raise ConfigError(f"--r-drop (r_drop) must be positive (or 0 for off), got {cfg['r_drop']!r}")
+    off_at_zero = {"subword_sampling": "--subword-sampling", "r_drop": "--r-drop"}
+    for key, flag in off_at_zero.items():
+        if cfg.get(key) is not None and not cfg[key] >= 0:
+            raise ConfigError(f"{flag} ({key}) must be positive (or 0 for off), got {cfg[key]!r}")
 
 
 def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
