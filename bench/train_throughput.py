@@ -33,6 +33,7 @@ ratio of two median steps is what R-Drop costs an update.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -195,22 +196,19 @@ def main(argv=None) -> int:
             steps = args.steps if args.steps is not None else (4 if heavy else 10)
             vocab_size = settings.get("vocab_size", args.vocab_size)
             tokens_per_batch = settings.get("tokens_per_batch", args.tokens_per_batch)
-            for precision in args.precisions:
-                for replicas in args.replica_counts:
-                    for alpha in args.r_drop:
-                        cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
-                               "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
-                               "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
-                               "--vocab-size", str(vocab_size), "--r-drop-alpha", str(alpha)]
-                        r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas} r-drop {alpha:g}")
-                        if r is None:
-                            continue
-                        r.update(wall_s=round(seconds, 1), round=round_)
-                        results.append(r)
-                        print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas} "
-                              f"r-drop={alpha:g}  {r['target_tokens_per_s']:9.1f} target tok/s  "
-                              f"(median step {r['median_step_s']:.3f}s, batch {r['batch']}, {r['wall_s']}s wall)",
-                              flush=True)
+            for precision, replicas, alpha in itertools.product(args.precisions, args.replica_counts, args.r_drop):
+                cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
+                       "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
+                       "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
+                       "--vocab-size", str(vocab_size), "--r-drop-alpha", str(alpha)]
+                r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas} r-drop {alpha:g}")
+                if r is None:
+                    continue
+                r.update(wall_s=round(seconds, 1), round=round_)
+                results.append(r)
+                print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas} r-drop={alpha:g}  "
+                      f"{r['target_tokens_per_s']:9.1f} target tok/s  (median step {r['median_step_s']:.3f}s, "
+                      f"batch {r['batch']}, {r['wall_s']}s wall)", flush=True)
 
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
           f"total {time.time() - t_start:.0f}s\n")
