@@ -201,7 +201,7 @@ def test_r_drop_loss_gradient_is_that_of_the_textbook_formula(weighted):
     # Weighted: the two rows of a pair weigh differently, so each row's KL gradient needs both rows' upstream.
     labels, logits = _paired_batch(8)
     weights = np.random.default_rng(8).uniform(0.2, 2.0, size=labels.shape).astype("float32") if weighted else None
-    mask = ops.convert_to_tensor((labels != 0) * (1.0 if weights is None else weights), "float32")
+    token_weights = ops.convert_to_tensor((labels != 0) * (1.0 if weights is None else weights), "float32")
 
     def reference_loss(logits):
         log_probs = ops.log_softmax(logits)
@@ -210,7 +210,7 @@ def test_r_drop_loss_gradient_is_that_of_the_textbook_formula(weighted):
         log_p, log_q = log_probs[0::2], log_probs[1::2]
         kl = ops.sum(ops.exp(log_p) * (log_p - log_q) + ops.exp(log_q) * (log_q - log_p), axis=-1)
         per_row = ce + 5.0 / 4.0 * ops.repeat(kl, 2, axis=0)
-        return ops.sum(per_row * mask) / ops.sum(mask)
+        return ops.sum(per_row * token_weights) / ops.sum(token_weights)
 
     loss = kt.MaskedRDropCrossentropy(alpha=5.0, label_smoothing=0.1)
     ours, (grad,) = gradients(lambda logits: loss(labels, logits, sample_weight=weights), [logits])
