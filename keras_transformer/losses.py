@@ -1,6 +1,7 @@
 """The training losses and metric, padding ignored: label smoothing (paper section 5.4), and R-Drop on top of it."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_transformer.masking import PAD_ID
@@ -22,8 +23,9 @@ def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
     - log q is d minus a constant per position, which sum_v (p_v - q_v) = 0
     cancels), with gradient (p - q) + p (d - <p, d>) for z, and the same with
     the roles swapped for w. The softmax of each row is taken once for both
-    terms, and the backward pass needs nothing that automatic differentiation
-    would save.
+    terms; d and p - q are kept once per pair (the partner's are their
+    negatives), and the backward pass needs nothing that automatic
+    differentiation would save.
 
     Shapes: logits `[batch, length, vocab]`, labels `[batch, length]` -> `[batch, length]`
     (with `kl_weight`, an even batch).
@@ -38,18 +40,24 @@ def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
         z_y = ops.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
         value = lse - (1.0 - label_smoothing) * z_y - label_smoothing * ops.mean(z, axis=-1)
         if kl_weight:
-            gap = z - _partner(z)  # d: the same for both rows of a pair, up to its sign
-            prob_gap = probs - _partner(probs)
-            value = value + kl_weight * ops.sum(prob_gap * gap, axis=-1)
+            # Per pair, [pairs, 1, length, vocab]: the first row's d = z - w and p - q; the second row's are
+            # their negatives, so half-size arrays that broadcast over both rows of a pair carry both.
+            z_pairs, prob_pairs = _pairs(z), _pairs(probs)
+            gap = z_pairs[:, :1] - z_pairs[:, 1:]
+            prob_gap = prob_pairs[:, :1] - prob_pairs[:, 1:]
+            kl = ops.sum(prob_gap * gap, axis=-1)  # [pairs, 1, length], the same for both rows
+            value = ops.reshape(_pairs(value) + kl_weight * kl, ops.shape(value))
 
         def grad(*args, upstream=None):  # PyTorch passes `upstream` by name, TensorFlow and JAX positionally
             upstream = args[-1] if upstream is None else upstream
             g = probs * upstream[..., None] - (upstream * (label_smoothing / vocab_size))[..., None]
             if kl_weight:
-                # Both rows of a pair carry the KL, so each row's share of it gets both rows' upstream.
-                kl_upstream = (kl_weight * (upstream + _partner(upstream)))[..., None]
-                centred = gap - ops.sum(probs * gap, axis=-1, keepdims=True)
-                g = g + kl_upstream * (prob_gap + probs * centred)
+                # Both rows of a pair carry the KL, so each row's share of it gets both rows' upstream; the
+                # second row's gradient is the first's formula with d and p - q negated, hence the sign.
+                kl_upstream = kl_weight * ops.sum(_pairs(upstream), axis=1, keepdims=True)[..., None]
+                centred = gap - ops.sum(prob_pairs * gap, axis=-1, keepdims=True)
+                kl_grad = (prob_gap + prob_pairs * centred) * ops.multiply(kl_upstream, _PAIR_SIGN)
+                g = g + ops.reshape(kl_grad, ops.shape(g))
             # -(1 - eps) upstream at each label: one value per position, not a pass over a one-hot.
             at_label = ops.take_along_axis(g, labels[..., None], axis=-1)[..., 0] - (1.0 - label_smoothing) * upstream
             return ops.scatter_update(g, _label_indices(labels), ops.reshape(at_label, (-1,)))
@@ -59,10 +67,13 @@ def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
     return loss(logits)
 
 
-def _partner(x):
-    """`x` `[2 * pairs, ...]` with rows 2i and 2i + 1 swapped: each row's partner in its pair."""
-    pairs = ops.reshape(x, (-1, 2, *ops.shape(x)[1:]))
-    return ops.reshape(ops.flip(pairs, axis=1), ops.shape(x))
+# +1 for the first row of an R-Drop pair, -1 for the second: `[1, 2, 1, 1]` against `[pairs, 2, length, vocab]`.
+_PAIR_SIGN = np.array([1.0, -1.0], "float32").reshape(1, 2, 1, 1)
+
+
+def _pairs(x):
+    """`x` `[2 * pairs, ...]` as `[pairs, 2, ...]`: rows 2i and 2i + 1 side by side."""
+    return ops.reshape(x, (-1, 2, *ops.shape(x)[1:]))
 
 
 def _label_indices(labels):
