@@ -528,6 +528,7 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     from training.errors import ConfigError
     from training.data import load_text_pairs
     from training.fit import compile_model, data_spec, train
+    from training.keras_internals import ignoring_ran_out_of_data
     from training.pipeline import make_batches
 
     with pytest.raises(ConfigError, match="--r-drop"):
@@ -551,7 +552,6 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     tokenizer = make_tokenizer(read_tokenizer_proto(run / "tokenizer.model"))
     single = make_batches(load_text_pairs(data_spec(cfg), "validation"), tokenizer, max_length=128,
                           tokens_per_batch=400, shuffle=False)
-    with warnings.catch_warnings():  # bucketed batches: Keras learns their number by running out, as in fit
-        warnings.filterwarnings("ignore", message="Your input ran out of data")
+    with ignoring_ran_out_of_data():  # bucketed batches, as in kt-train
         single_loss = model.evaluate(single, verbose=0, return_dict=True)["loss"]
     assert single_loss == pytest.approx(val_loss, rel=1e-5)

@@ -3,7 +3,6 @@ best checkpoints (`kt-average-checkpoints --best N`)."""
 
 import csv
 import json
-import warnings
 
 import keras
 import numpy as np
@@ -19,6 +18,7 @@ from keras_transformer.text import END_ID, START_ID
 from training import average_checkpoints
 from training.config import resolve_config
 from training.fit import compile_model, train
+from training.keras_internals import ignoring_ran_out_of_data
 from training.pipeline import make_batches
 
 TRAIN_LINES = 29000
@@ -64,8 +64,7 @@ def test_init_from_reuses_the_vocabulary_architecture_and_weights(quick_model_di
     tokenizer = make_tokenizer((quick_model_dir / "tokenizer.model").read_bytes())
     val = tf.data.Dataset.from_tensor_slices(tuple(map(list, zip(*fine_tuned["val_pairs"]))))
     batches = make_batches(val, tokenizer, max_length=QUICK_MODEL_MAX_LENGTH, tokens_per_batch=1024, shuffle=False)
-    with warnings.catch_warnings():  # bucketed batches: Keras learns their count by running out (kt-train filters it too)
-        warnings.filterwarnings("ignore", message="Your input ran out of data")
+    with ignoring_ran_out_of_data():  # bucketed batches, as in kt-train
         expected = init.evaluate(batches, verbose=0, return_dict=True)["loss"]
     assert summary["initial_val_loss"] == pytest.approx(expected, rel=1e-5)
     # An untrained model of that size would start near log(vocabulary size).

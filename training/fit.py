@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import keras
@@ -32,7 +31,8 @@ from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, no_step_without_data, rank1_step_logs
+from training.keras_internals import (UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data,
+                                      no_step_without_data, rank1_step_logs)
 from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
 
@@ -317,8 +317,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     initial_val_loss = None
     if init is not None and val_ds is not None and not backup_dir.exists():
         # Where fine-tuning starts on the new data: the first epoch's val_loss is measured against it.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Your input ran out of data")  # as in fit, below
+        with ignoring_ran_out_of_data():
             initial_val_loss = float(model.evaluate(val_ds, verbose=0, return_dict=True)["loss"])
         print(f"[kt-train] --init-from {init.model_file}: validation loss {initial_val_loss:.4f} before "
               "fine-tuning (fresh optimizer and learning-rate schedule)", flush=True)
@@ -347,10 +346,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         budget = TimeBudget(cfg["max_minutes"])
         callbacks.append(budget)
     t0 = time.time()
-    with warnings.catch_warnings():
-        # Bucketed batches have no length known in advance, so Keras learns the epoch's
-        # length by running out of data once, and warns as if that were a mistake.
-        warnings.filterwarnings("ignore", message="Your input ran out of data")
+    with ignoring_ran_out_of_data():
         # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
         history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"] or NO_EPOCH_LIMIT,
                             steps_per_epoch=steps,
