@@ -141,18 +141,31 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
         # and in its sample-weight divisor; the mean over real tokens needs
         # both its sum and its count here.
         with keras.name_scope(self.name):
-            y_true = ops.cast(y_true, "int32")
-            weights = ops.cast(ops.not_equal(y_true, PAD_ID), "float32")
-            losses = self.call(y_true, y_pred)
-            if sample_weight is not None:
-                sample_weight = _token_weights(sample_weight, weights)
-                weights, losses = weights * sample_weight, losses * sample_weight
+            losses, weights = self._weighted(y_true, y_pred, sample_weight)
             if self.reduction in (None, "none"):
                 return losses
             total = ops.sum(losses)
             if self.reduction == "sum":
                 return total
             return ops.divide_no_nan(total, ops.sum(weights)) * (1.0 / _replicas_in_sync())
+
+    def token_sum_and_count(self, y_true, y_pred, sample_weight=None):
+        """(sum(w l m), sum(w m)): the summed loss of the real tokens and their (weighted) count, float32
+        scalars, whatever the reduction. A training step that normalises over more than one batch or
+        replica divides the sums of the first by the sum of the second (`training.update.UpdateStep`)."""
+        with keras.name_scope(self.name):
+            losses, weights = self._weighted(y_true, y_pred, sample_weight)
+            return ops.sum(losses), ops.sum(weights)
+
+    def _weighted(self, y_true, y_pred, sample_weight):
+        """The per-token losses w l m and weights w m, `[batch, length]` float32."""
+        y_true = ops.cast(y_true, "int32")
+        weights = ops.cast(ops.not_equal(y_true, PAD_ID), "float32")
+        losses = self.call(y_true, y_pred)
+        if sample_weight is not None:
+            sample_weight = _token_weights(sample_weight, weights)
+            weights, losses = weights * sample_weight, losses * sample_weight
+        return losses, weights
 
     def call(self, y_true, y_pred):
         """The loss of each token `[batch, length]`, 0 at padding."""

@@ -15,6 +15,7 @@ import os
 import re
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -560,3 +561,55 @@ def a_sentence_and_a_batch_holding_it():
     batch[2, :2] = [6, END_ID]  # shorter
     batch[3, :4] = [11, 5, 8, END_ID]
     return sentence, batch
+
+
+# Subprocesses under tf.distribute: logical CPU devices and multi-worker strategies must be set up before
+# TensorFlow starts, so these tests run programs.
+
+def distributed_env(**extra):
+    """The environment of a subprocess that imports the repo, quiet, without a TF_CONFIG of ours."""
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def free_ports(n):
+    """`n` free TCP ports on 127.0.0.1."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_workers(cmd, log_paths):
+    """Two workers running `cmd` (kt-train, or any program) in one MultiWorkerMirroredStrategy cluster on
+    127.0.0.1: [(process, log file)]."""
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    procs = []
+    for i, log_path in enumerate(log_paths):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+        log = open(log_path, "w")
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=distributed_env(TF_CONFIG=json.dumps(tf_config)),
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def wait_all(procs, timeout):
+    """Waits for every worker; kills what is left and closes the logs."""
+    try:
+        for p, _ in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+            log.close()

@@ -50,16 +50,21 @@ def test_the_learning_rate_scale_reaches_the_optimizers_schedule(argv, scale):
     (["--adam-epsilon", "1e-8", "--global-clipnorm", "25"], 1e-8, 25.0),  # fairseq's defaults
 ])
 def test_kt_trains_optimizer_has_the_configured_epsilon_and_global_clip(argv, epsilon, clip):
-    import keras_transformer as kt
-    from training.fit import compile_model
+    import inspect
+
+    from training.fit import build_and_compile
+    from training.update import UpdateStep
 
     cfg = resolve_config(["--preset", "tiny", *argv])
-    model = kt.Transformer.from_preset("tiny", vocab_size=40)
-    compile_model(model, cfg)
+    model = build_and_compile(cfg, 40)
     config = model.optimizer.get_config()
-    assert config["epsilon"] == epsilon and config["global_clipnorm"] == clip
-    assert config["clipnorm"] is None  # the global norm, not Keras' per-variable clipnorm
+    assert config["epsilon"] == epsilon
     assert (config["beta_1"], config["beta_2"]) == (0.9, 0.98)
+    # The clip is the training step's, on the gradient summed over replicas (tests/test_training_updates.py);
+    # the optimizer clips nothing, which under tf.distribute would clip each replica's gradient apart.
+    assert config["global_clipnorm"] is None and config["clipnorm"] is None
+    step = inspect.unwrap(model.train_step)
+    assert isinstance(step, UpdateStep) and step.global_clipnorm == clip
 
 
 def test_settings_out_of_range_are_one_clear_error(tmp_path):

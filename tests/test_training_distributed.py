@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,16 +18,7 @@ import time
 
 import pytest
 
-from conftest import MULTI30K, REPO, history_rows, needs_multi30k
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+from conftest import MULTI30K, REPO, distributed_env, history_rows, needs_multi30k, start_workers, wait_all
 
 
 # ---------------------------------------------------------------------------
@@ -97,7 +87,7 @@ EQUIVALENCE_SCRIPT = textwrap.dedent(
 
 
 def test_two_replicas_match_one_replica():
-    proc = subprocess.run([sys.executable, "-c", EQUIVALENCE_SCRIPT], cwd=REPO, env=_env(),
+    proc = subprocess.run([sys.executable, "-c", EQUIVALENCE_SCRIPT], cwd=REPO, env=distributed_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
@@ -193,7 +183,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
                      "--backup-every", "5", *limit)
     meta_path = model_dir / "backup" / "training_metadata.json"
     log1 = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log1, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=log1, stderr=subprocess.STDOUT)
     try:
         _wait_for_mid_epoch_2(meta_path, [proc], 180, tmp_path / "run1.log")
         os.kill(proc.pid, signal.SIGKILL)
@@ -208,7 +198,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     assert killed_at["epoch"] >= 1 and 0 < killed_at["batch"] < steps
     assert killed_at["step"] == killed_at["epoch"] * steps + killed_at["batch"] + 1
 
-    proc2 = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    proc2 = subprocess.run(cmd, cwd=REPO, env=distributed_env(), capture_output=True, text=True, timeout=600)
     out = proc2.stdout + proc2.stderr
     assert proc2.returncode == 0, out[-3000:]
     # Resumed from the mid-epoch backup: its epoch and optimizer step, not from zero. A kill between renaming
@@ -239,43 +229,6 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
 # 3. MultiWorkerMirroredStrategy: two local worker processes.
 
 
-def _free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _start_workers(cmd, log_paths):
-    """Two kt-train workers of one MultiWorkerMirroredStrategy cluster on 127.0.0.1: [(process, log file)]."""
-    workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
-    procs = []
-    for i, log_path in enumerate(log_paths):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        log = open(log_path, "w")
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(TF_CONFIG=json.dumps(tf_config)),
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def _wait_all(procs, timeout):
-    """Waits for every worker; kills what is left and closes the logs."""
-    try:
-        for p, _ in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-            log.close()
-
-
 @needs_multi30k
 @pytest.mark.parametrize("lag", ["whole", "cut"])
 def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
@@ -293,7 +246,7 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
                      "--backup-every", "5")
 
     def start(run):
-        return _start_workers(cmd, [tmp_path / f"run{run}-worker{i}.log" for i in range(2)])
+        return start_workers(cmd, [tmp_path / f"run{run}-worker{i}.log" for i in range(2)])
 
     procs = start(1)
     try:
@@ -303,7 +256,7 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
         time.sleep(2)
         os.kill(procs[0][0].pid, signal.SIGKILL)
     finally:
-        _wait_all(procs, 30)
+        wait_all(procs, 30)
 
     # Worker 2, killed between the chief's backup and its own, is one backup behind. The state it is left in
     # depends on the instant of the kill, so the test puts each in place from the chief's files (under
@@ -321,7 +274,7 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
     assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
 
     procs = start(2)
-    _wait_all(procs, 600)
+    wait_all(procs, 600)
     outs = [(tmp_path / f"run2-worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]

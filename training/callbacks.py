@@ -4,6 +4,7 @@ validation BLEU."""
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from export.translate import translate_lines
 from keras_transformer.text import END_ID, START_ID
 from training.errors import BackupError
 from training.keras_internals import BackupAndRestoreState
+from training.update import UpdateStep
 
 
 class ResumableBackup(BackupAndRestoreState):
@@ -28,13 +30,27 @@ class ResumableBackup(BackupAndRestoreState):
 
     A kill at any moment leaves a complete (weights, metadata) pair: the new one
     or the previous one. `resumed` holds the metadata a run resumed from (None
-    for a fresh start).
+    for a fresh start). `save_freq` is "epoch" or a number of updates (optimizer
+    steps; Keras' own counts batches): a backup is taken once that many updates
+    have been made since the last, after the batch that completes an update, so
+    that no batch accumulated towards the next update (which a backup does not
+    hold) is lost on a resume.
     """
 
     def __init__(self, backup_dir, save_freq="epoch", num_workers=1):
         super().__init__(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
         self.resumed = None
         self.num_workers = num_workers
+        self.saved_at_update = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.last_batch_seen = batch
+        if self.save_freq == "epoch":
+            return
+        updates = optimizer_updates(self.model)
+        if updates - self.saved_at_update >= self.save_freq and accumulated_batches(self.model) == 0:
+            self.saved_at_update = updates
+            self.save_backup()
 
     def on_train_begin(self, logs=None):
         # Not Keras' own restore: it falls back to the previous backup only on an OSError from the
@@ -60,6 +76,7 @@ class ResumableBackup(BackupAndRestoreState):
                     os.replace(f"{target}.tmp", target)
             self.resumed = meta
             self.current_epoch = meta["epoch"]
+            self.saved_at_update = optimizer_updates(self.model)
             print(f"[kt-train] resumed from backup{' (the previous one)' if failures else ''}: "
                   f"epoch {meta['epoch'] + 1} (backup taken after batch {meta.get('batch', 0)} of it), "
                   f"optimizer step {int(self.model.optimizer.iterations.numpy())}", flush=True)
@@ -164,6 +181,12 @@ def optimizer_updates(model) -> int:
     """The updates `model`'s optimizer has made (`optimizer.iterations`: a backup restores it, and
     accumulated batches count once)."""
     return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
+def accumulated_batches(model) -> int:
+    """Batches accumulated towards `model`'s next update (its `UpdateStep`'s; 0 without one)."""
+    step = inspect.unwrap(model.train_step)
+    return step.pending() if isinstance(step, UpdateStep) else 0
 
 
 class UpdateBudget(keras.callbacks.Callback):

@@ -38,6 +38,7 @@ DEFAULTS = {
     "vocab_size": 8000,
     "lowercase": False,
     "tokens_per_batch": 4096,
+    "tokens_per_replica": None,
     "max_length": 128,
     "subword_sampling": None,
     "warmup_steps": 4000,
@@ -113,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lowercase", action="store_true",
                    help="train a case-folding vocabulary (sentencepiece's nmt_nfkc_cf normaliser): the model reads "
                    "and writes lowercase text, and kt-evaluate scores it case-insensitively (default: cased)")
-    g.add_argument("--tokens-per-batch", type=int, help="token budget per batch and side (default 4096; paper ~25000)")
+    g.add_argument("--tokens-per-batch", type=int,
+                   help="token budget of a batch and side, over all replicas together (default 4096; split evenly "
+                   "between them)")
+    g.add_argument("--tokens-per-replica", type=int,
+                   help="token budget of a batch and side on each replica (fairseq's --max-tokens): the batch on "
+                   "N replicas is N times this; when set, it wins over --tokens-per-batch")
     g.add_argument("--max-length", type=int, help="drop training pairs longer than this many tokens (default 128)")
     g.add_argument("--shuffle-buffer", type=int)
     g.add_argument("--subword-sampling", type=float, metavar="ALPHA",
@@ -146,13 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-clipnorm", type=float, metavar="NORM",
                    help="rescale the gradients when their global norm (over all variables together) exceeds "
                    "NORM (Keras' global_clipnorm; fairseq's --clip-norm; default: no clipping)")
-    g.add_argument("--grad-accum", type=int, help="gradient accumulation steps (optimizer's gradient_accumulation_steps)")
+    g.add_argument("--grad-accum", type=int, metavar="N",
+                   help="batches per update on every replica (fairseq's --update-freq): the gradient is summed over "
+                   "them and over the replicas, then clipped and applied once (default 1)")
     g.add_argument("--mixed-precision", action="store_true", help="force mixed precision: mixed_bfloat16 on CPU, "
                    "mixed_float16 on GPU (default auto: only where the hardware computes half precision natively)")
     g.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_false", help="force float32")
     g.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
     g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
-    g.add_argument("--backup-every", type=int, help="BackupAndRestore every N steps (default: every epoch)")
+    g.add_argument("--backup-every", type=int, metavar="N",
+                   help="a backup every N updates, for a killed run to resume from (default: every epoch)")
     g.add_argument("--seed", type=int)
     g = p.add_argument_group("after training (recorded in config.json for the commands that follow kt-train)")
     g.add_argument("--average-last", type=int, metavar="N",
@@ -204,7 +213,8 @@ def check_settings(cfg) -> None:
         if cfg.get(key) is not None and not cfg[key] > 0:
             raise ConfigError(f"{flag} ({key}) must be positive, got {cfg[key]!r}")
     at_least_one = {"epochs": "--epochs", "max_updates": "--max-updates", "average_last": "--average-last",
-                    "beam_size": "--beam-size"}
+                    "beam_size": "--beam-size", "grad_accum": "--grad-accum", "tokens_per_replica": "--tokens-per-replica",
+                    "tokens_per_batch": "--tokens-per-batch", "backup_every": "--backup-every"}
     for key, flag in at_least_one.items():
         if cfg.get(key) is not None and not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
@@ -243,3 +253,37 @@ def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extr
     tmp.write_text(json.dumps(out, indent=2, default=str))
     os.replace(tmp, path)
     return path
+
+
+def batch_plan(cfg, replicas: int, previous: dict | None = None) -> dict:
+    """How many tokens an update takes: {"tokens_per_replica", "replicas", "grad_accum", "tokens_per_update"}
+    (budgets of padded tokens per side; `make_batches` takes `tokens_per_replica * replicas` as its batch's).
+
+    `cfg["tokens_per_replica"]`, when set, wins over `cfg["tokens_per_batch"]`: it is what a device's memory
+    bounds, and the same per-replica batch then fits on any number of devices. A global `tokens_per_batch`
+    is split between the replicas, so the update keeps its size on any number of them.
+
+    `previous` is the plan a resumed run recorded (config.json's "batch_plan"). On another number of replicas
+    with a per-replica budget, the accumulation is changed to keep the run's tokens per update, and where no
+    whole number of batches keeps it, a `ConfigError` says how to go on.
+    """
+    accumulate = cfg.get("grad_accum") or 1
+    if cfg.get("tokens_per_replica"):
+        per_replica = int(cfg["tokens_per_replica"])
+    else:
+        per_replica = int(cfg["tokens_per_batch"]) // replicas
+    plan = {"tokens_per_replica": per_replica, "replicas": replicas, "grad_accum": accumulate,
+            "tokens_per_update": per_replica * replicas * accumulate}
+    if previous is None or previous["replicas"] == replicas or not cfg.get("tokens_per_replica"):
+        return plan
+    wanted = previous["tokens_per_update"]
+    batches, left = divmod(wanted, per_replica * replicas)
+    if left or batches < 1:
+        raise ConfigError(
+            f"This run was trained with {previous['replicas']} replica(s) x {previous['grad_accum']} batch(es) per "
+            f"update x {previous['tokens_per_replica']:,} tokens = {wanted:,} tokens per update; on {replicas} "
+            f"replicas, no whole number of batches of {per_replica:,} tokens (--tokens-per-replica) makes "
+            f"{wanted:,}. Resume with --tokens-per-replica T --grad-accum N such that {replicas} x N x T = "
+            f"{wanted:,}, or on {previous['replicas']} replica(s); or start a run of its own from this one's "
+            f"weights with --init-from.")
+    return {**plan, "grad_accum": batches, "tokens_per_update": wanted}

@@ -13,7 +13,6 @@ import os
 
 import tensorflow as tf
 
-from training.errors import ConfigError
 
 log = logging.getLogger("training.distribute")
 
@@ -51,30 +50,16 @@ def split_cpu(num_replicas: int) -> None:
             "CPU devices must be configured before any TensorFlow op runs.") from e
 
 
-GRAD_ACCUM_UNSUPPORTED = (
-    "--grad-accum with more than one replica is not supported: Keras 3.15's optimizer applies "
-    "accumulated gradients inside ops.cond, where tf.distribute cannot all-reduce "
-    "(RuntimeError '`merge_call` called while defining a new graph', keras-team/keras#20582). "
-    "Use one replica, or raise --tokens-per-batch instead.")
-
-
-def make_strategy(cpu_replicas: int = 1, grad_accum: int = 1):
+def make_strategy(cpu_replicas: int = 1):
     """The distribution strategy for this process.
 
     - TF_CONFIG set: `MultiWorkerMirroredStrategy` (one replica per worker unless GPUs).
     - One device (one GPU or none, `cpu_replicas` 1): TensorFlow's default strategy.
     - More GPUs: `MirroredStrategy` over all of them.
     - CPU only, `cpu_replicas > 1`: `MirroredStrategy` over that many logical CPU devices.
-    - `grad_accum > 1`: TensorFlow's default strategy on one device (Keras bug, see
-      GRAD_ACCUM_UNSUPPORTED); more replicas raise ValueError.
+
+    Gradient accumulation works under each (`training.update.UpdateStep`).
     """
-    if grad_accum > 1:
-        if tf_config() is not None or cpu_replicas > 1 or len(tf.config.list_physical_devices("GPU")) > 1:
-            raise ConfigError(GRAD_ACCUM_UNSUPPORTED)
-        # Keras' gradient accumulation works only outside tf.distribute (see above):
-        # the default (no-op) strategy, one device.
-        log.info("Gradient accumulation: default strategy (one device), not MirroredStrategy")
-        return tf.distribute.get_strategy()
     if tf_config() is not None:
         if cpu_replicas > 1:
             split_cpu(cpu_replicas)

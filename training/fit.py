@@ -26,15 +26,15 @@ from keras_transformer.text import (check_special_ids, lowercases, read_tokenize
 from export.tokenizer import make_tokenizer
 from training.average_checkpoints import epoch_checkpoints
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, ValidationBLEU
-from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, check_settings, write_config
+from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, batch_plan, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from training.keras_internals import (UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data,
-                                      no_step_without_data, rank1_step_logs)
+from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
 from training.precision import choose_policy
+from training.update import UpdateStep
 
 
 # fit()'s epoch count when a run is bounded by --max-updates alone ("epochs": null).
@@ -130,13 +130,11 @@ def build_model(cfg, vocab_size: int):
 
 
 def compile_model(model, cfg, optimizer=None):
+    """Compiles `model` with the paper's Adam (or `optimizer`) and the configured loss. Gradient accumulation
+    and clipping are not the optimizer's: `build_and_compile`'s `UpdateStep` does them on the summed gradient."""
     kwargs = {}
-    if cfg["grad_accum"] and cfg["grad_accum"] > 1:
-        kwargs["gradient_accumulation_steps"] = cfg["grad_accum"]
     if cfg.get("adam_epsilon") is not None:
         kwargs["epsilon"] = cfg["adam_epsilon"]
-    if cfg.get("global_clipnorm") is not None:
-        kwargs["global_clipnorm"] = cfg["global_clipnorm"]
     if optimizer is None:
         optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"],
                                   scale=cfg["learning_rate_scale"], **kwargs)
@@ -155,13 +153,15 @@ def compile_model(model, cfg, optimizer=None):
 
 
 def build_and_compile(cfg, vocab_size: int, optimizer=None):
-    """Model + optimizer + loss, built (variables created) in the current strategy scope."""
+    """Model + optimizer + loss, built (variables created) in the current strategy scope, training with an
+    `UpdateStep` (`cfg["grad_accum"]` batches per update, clipped to `cfg["global_clipnorm"]`)."""
     model = build_model(cfg, vocab_size)
     dummy = np.ones((2, 2), "int32")  # two rows: one pair for R-Drop's loss
     model((dummy, dummy))
     compile_model(model, cfg, optimizer)
     model.optimizer.build(model.trainable_variables)
     build_fit_state_now(model, ((dummy, dummy), dummy))
+    UpdateStep.install(model, accumulate=cfg["grad_accum"] or 1, global_clipnorm=cfg.get("global_clipnorm"))
     return model
 
 
@@ -178,6 +178,17 @@ def fit_verbosity(setting, stream=sys.stdout) -> int:
     if setting == "auto":
         return 1 if stream.isatty() else 2
     return int(setting)
+
+
+def previous_batch_plan(model_dir: Path, out_dir: Path) -> dict | None:
+    """The batch plan (`training.config.batch_plan`) a run resumed from its backup recorded in config.json; None
+    for a fresh run, or one from before plans were recorded."""
+    if not (out_dir / "backup").exists():
+        return None
+    try:
+        return read_config(model_dir).get("batch_plan")
+    except (OSError, ValueError):
+        return None
 
 
 def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
@@ -218,7 +229,7 @@ def train(cfg: dict, strategy=None) -> dict:
     """Runs training as configured; returns a summary dict (also printed as JSON)."""
     check_settings(cfg)
     if strategy is None:
-        strategy = make_strategy(cfg["cpu_replicas"], cfg["grad_accum"] or 1)
+        strategy = make_strategy(cfg["cpu_replicas"])
     tfds.disable_progress_bar()
     is_chief, task_index, num_workers = worker_info()
     model_dir = Path(cfg["model_dir"])
@@ -246,7 +257,18 @@ def train(cfg: dict, strategy=None) -> dict:
     tokenizer = make_tokenizer(proto)
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
-    batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=cfg["tokens_per_batch"],
+    plan = batch_plan(cfg, replicas, previous_batch_plan(model_dir, out_dir))
+    if plan["grad_accum"] != (cfg["grad_accum"] or 1):
+        print(f"[kt-train] resumed on {replicas} replica(s): {plan['grad_accum']} batches per update (not "
+              f"{cfg['grad_accum'] or 1}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
+    cfg = {**cfg, "grad_accum": plan["grad_accum"]}
+    if is_chief:
+        print(f"[kt-train] batch plan: {replicas} replica(s) x {plan['tokens_per_replica']:,} tokens per replica "
+              f"x {plan['grad_accum']} batch(es) per update = {plan['tokens_per_update']:,} tokens per update "
+              f"(budgets of padded tokens per side; "
+              f"{'--tokens-per-replica' if cfg.get('tokens_per_replica') else '--tokens-per-batch split between the replicas'})",
+              flush=True)
+    batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=plan["tokens_per_replica"] * replicas,
                       num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
     steps = cfg["steps_per_epoch"]
     alpha = cfg["subword_sampling"]
@@ -286,13 +308,13 @@ def train(cfg: dict, strategy=None) -> dict:
     policy = set_precision(cfg)
     try:
         return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-                    train_ds, val_ds, steps, replicas, val_bleu, batch_contents)
+                    train_ds, val_ds, steps, replicas, val_bleu, batch_contents, plan)
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
 def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-         train_ds, val_ds, steps, replicas, val_bleu=None, batch_contents=None) -> dict:
+         train_ds, val_ds, steps, replicas, val_bleu=None, batch_contents=None, plan=None) -> dict:
     init = cfg.get("init_from_model")
     weights = init_weights(init) if init is not None else None  # read outside the strategy's scope
     with strategy.scope():
@@ -300,10 +322,9 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         if weights is not None:
             set_init_weights(model, weights, init)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    if multi_worker:
-        rank1_step_logs(model)
-    no_step_without_data(model)  # else each epoch's end counts an update that no batch made
-    batches_extra = {"batches": batch_contents} if batch_contents else None
+    batches_extra = {"batch_plan": plan} if plan else {}
+    if batch_contents:
+        batches_extra["batches"] = batch_contents
     if is_chief:
         write_config(cfg, model_dir, vocab_size, model, policy, extra=batches_extra)
     shape = f"preset {cfg['preset']}" + (f" with {json.dumps(cfg['model'])}" if cfg["model"] else "")
@@ -372,6 +393,6 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         return summary
     if is_chief:
         model.save(model_dir / MODEL_FILENAME)
-        write_config(cfg, model_dir, vocab_size, model, policy, extra={**(batches_extra or {}), "last_run": summary})
+        write_config(cfg, model_dir, vocab_size, model, policy, extra={**batches_extra, "last_run": summary})
     print("[kt-train] done " + json.dumps(summary), flush=True)
     return summary

@@ -47,6 +47,7 @@ def rank1_step_logs(model) -> None:
         def wrapped(data):
             return {k: tf.reshape(v, [1]) for k, v in step(data).items()}
 
+        wrapped.__wrapped__ = step  # inspect.unwrap(model.train_step) finds the step
         return wrapped
 
     model.train_step = rank1(model.train_step)
@@ -76,6 +77,7 @@ def no_step_without_data(model) -> None:
         with tf.control_dependencies([t for t in tf.nest.flatten(data) if t is not None]):
             return step(data)
 
+    wrapped.__wrapped__ = step  # inspect.unwrap(model.train_step) finds the step
     model.train_step = wrapped
 
 
@@ -133,6 +135,12 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
     @property
     def last_batch_seen(self) -> int:
         return self._last_batch_seen
+
+    @last_batch_seen.setter
+    def last_batch_seen(self, batch: int) -> None:
+        # Keras 3.15 sets it in `_should_save_on_batch`, which a subclass that decides itself when to save
+        # (overriding `on_train_batch_end`) no longer calls; `on_epoch_end` resets it to 0.
+        self._last_batch_seen = batch
 
     def _save_model(self):
         self.save_backup()
@@ -192,3 +200,20 @@ class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):
         super().on_epoch_begin(epoch, logs)
         if self.verbose:
             print(f"Epoch {epoch + 1} (to update {self.max_updates:,})", flush=True)
+
+
+def apply_summed_gradients(optimizer) -> None:
+    """Makes `optimizer.apply` take gradients already summed over the replicas (Keras 3.15's TensorFlow optimizer).
+
+    `TFOptimizer._backend_update_step` all-reduces the gradients it is given
+    (`_all_reduce_sum_gradients`) before the update. `training.update.UpdateStep`
+    all-reduces them itself, once per update, so that it can check and clip
+    the sum first; a second all-reduce would multiply them by the replicas.
+    """
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def loss_tracker(model):
+    """The `keras.metrics.Mean` behind fit()'s "loss" log (Keras 3.15: `Trainer._loss_tracker`), for a
+    training step of one's own to update."""
+    return model._loss_tracker

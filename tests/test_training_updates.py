@@ -1,0 +1,327 @@
+"""N replicas train the model that one replica trains: kt-train's update (`training.update.UpdateStep`) sums the
+gradient over replicas and accumulated batches before it checks for overflow, clips and applies it.
+
+tests/replica_updates.py trains the same 3 updates with 1 replica, 2 logical CPU replicas (MirroredStrategy) and
+2 workers (MultiWorkerMirroredStrategy on 127.0.0.1); these tests compare what each wrote.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, distributed_env, start_workers, two_batch_epochs_args, wait_all
+
+PROGRAM = str(REPO / "tests" / "replica_updates.py")
+CASES = ["clip", "accumulate", "clip+accumulate", "r-drop"]
+CLIP, LEARNING_RATE = 0.05, 0.5  # as in replica_updates.py
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"1": one replica, "2": two replicas, "workers": two workers}: each program's results."""
+    out = tmp_path_factory.mktemp("replica-updates")
+    procs = {mode: subprocess.Popen([sys.executable, PROGRAM, str(out / f"{mode}.json"), mode], cwd=REPO,
+                                    env=distributed_env(), stdout=subprocess.DEVNULL,
+                                    stderr=open(out / f"{mode}.log", "w"))
+             for mode in ("1", "2")}
+    workers = start_workers([sys.executable, PROGRAM, str(out / "workers.json"), "workers"],
+                            [out / f"worker-{i}.log" for i in range(2)])
+    for mode, proc in procs.items():
+        proc.wait(timeout=1200)
+        assert proc.returncode == 0, (out / f"{mode}.log").read_text()[-3000:]
+    wait_all(workers, timeout=1200)
+    for i, (proc, _) in enumerate(workers):
+        assert proc.returncode == 0, (out / f"worker-{i}.log").read_text()[-3000:]
+    return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in ("1", "2", "workers")}
+
+
+def assert_same_weights(expected, actual, what, rtol=1e-5):
+    """Every tracked weight within `rtol` of the largest in its variable (float32: the summation order differs)."""
+    for path, value in expected.items():
+        value, other = np.asarray(value), np.asarray(actual[path])
+        scale = np.max(np.abs(value))
+        assert np.max(np.abs(value - other)) <= rtol * scale, (what, path, float(np.max(np.abs(value - other))))
+
+
+@pytest.mark.parametrize("replicas", ["2", "workers"])
+@pytest.mark.parametrize("case", CASES)
+def test_n_replicas_make_the_updates_of_one(runs, case, replicas):
+    one, many = runs["1"][case], runs[replicas][case]
+    assert (one["replicas"], many["replicas"]) == (1, 2)
+    assert [u["step"] for u in one["updates"]] == [u["step"] for u in many["updates"]] == [1, 2, 3]
+    for i, (a, b) in enumerate(zip(one["updates"], many["updates"])):
+        # Not vacuous: each update moved the weights by far more than the tolerance.
+        moved = max(np.max(np.abs(np.asarray(a["weights"][p]) - np.asarray(one["start"][p]))) for p in a["weights"])
+        assert moved > 1e-3
+        assert_same_weights(a["weights"], b["weights"], f"{case}, update {i + 1}")
+        assert b["norm"] == pytest.approx(a["norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+@pytest.mark.parametrize("case", ["clip", "clip+accumulate"])
+def test_the_clip_applies_to_the_summed_gradient(runs, case, replicas):
+    """With SGD the update is the learning rate times the clipped gradient: its norm is exactly lr * clip on
+    every replica count, and without the clip it would have been larger."""
+    norms = [u["norm"] for u in runs[replicas][case]["updates"]]
+    assert norms == pytest.approx([LEARNING_RATE * CLIP] * 3, rel=1e-4)
+    unclipped = "accumulate" if case == "clip+accumulate" else None
+    if unclipped:
+        assert min(u["norm"] for u in runs[replicas][unclipped]["updates"]) > 10 * LEARNING_RATE * CLIP
+
+
+def test_the_update_is_the_mean_over_its_real_target_tokens(runs):
+    """fairseq's normalisation: the update's loss is the sum over all its tokens divided by their count, not a
+    mean of the accumulated batches' means (which weighs a short batch's tokens more). The batches' token
+    counts differ, so the two differ, and the update matches the first."""
+    case = runs["1"]["accumulate"]
+    definition = case["definition"]
+    assert len(set(definition["token_counts"])) == len(definition["token_counts"])  # unequal batches
+    first = case["updates"][0]["weights"]
+    assert_same_weights(definition["by_tokens"], first, "by tokens")
+    gap = max(np.max(np.abs(np.asarray(definition["by_batches"][p]) - np.asarray(first[p]))) for p in first)
+    assert gap > 1e-4  # the mean of means is another update
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+def test_an_overflow_on_one_replica_skips_the_update_on_every_replica(runs, replicas):
+    """mixed_float16: the first batch overflows on the second replica's share only. The update is skipped on
+    every replica (the weights stay as they were, finite and the same on each), the loss scale halves; the
+    next, finite batch is applied."""
+    run = runs[replicas]["overflow"]
+    skipped, applied = run["steps"]
+    assert skipped["step"] == 0 and skipped["loss_scale"] == run["initial_scale"] / 2
+    assert applied["step"] == 1 and applied["loss_scale"] == run["initial_scale"] / 2
+    for copies, start in zip(skipped["replica_weights"], run["start"]):
+        assert len(copies) == (2 if replicas == "2" else 1)
+        for copy in copies:
+            np.testing.assert_array_equal(copy, start)
+    moved = 0.0
+    for copies, start in zip(applied["replica_weights"], run["start"]):
+        for copy in copies:
+            assert np.isfinite(copy).all()
+            np.testing.assert_array_equal(copy, copies[0])
+        moved = max(moved, float(np.max(np.abs(np.asarray(copies[0]) - np.asarray(start)))))
+    assert moved > 1e-3
+    # float16 products, each replica's share summed apart: the update agrees with one replica's to float16's
+    # precision (2^-11 relative), not float32's.
+    assert_same_weights({"w": runs["1"]["overflow"]["steps"][1]["replica_weights"][0][0]},
+                        {"w": applied["replica_weights"][0][0]}, "after the applied step", rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# Updates, not batches: the step, the schedule, backups and --max-updates count updates.
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_backups_and_the_update_budget_count_updates_at_an_updates_boundary(tmp_path):
+    """3 batches per update: a backup every 2 updates is taken after batches 6 and 12 (never with batches
+    accumulated towards the next update, which it would not hold); --max-updates 3 stops after batch 9."""
+    import keras
+    import tensorflow as tf
+
+    from training.callbacks import ResumableBackup, UpdateBudget, accumulated_batches
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(4, 40, size=(14 * 4, 6)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices(((rows, rows), rows)).batch(4)  # 14 batches
+
+    class Recorded(ResumableBackup):
+        saves = []
+
+        def save_backup(self):
+            self.saves.append((int(self.model.optimizer.iterations.numpy()), accumulated_batches(self.model),
+                               self.last_batch_seen))
+            super().save_backup()
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return build_and_compile(dict(DEFAULTS, preset="tiny", warmup_steps=10, grad_accum=3), 40)
+
+    trained = model()
+    trained.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[Recorded(tmp_path / "backup", save_freq=2)])
+    assert Recorded.saves == [(2, 0, 5), (4, 0, 11)]  # after the 6th and 12th batches (0-based 5 and 11)
+    assert int(trained.optimizer.iterations.numpy()) == 4 and accumulated_batches(trained) == 2
+
+    stopped = model()
+    seen = []
+    stopped.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[
+        UpdateBudget(3), keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))])
+    assert int(stopped.optimizer.iterations.numpy()) == 3 and seen == list(range(9))
+
+
+def test_the_learning_rate_follows_the_updates():
+    """The paper's schedule reads the optimizer's step, which an accumulated update moves once."""
+    import keras
+    import tensorflow as tf
+
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile
+
+    rows = np.random.default_rng(1).integers(4, 40, size=(12, 6)).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = build_and_compile(dict(DEFAULTS, preset="tiny", warmup_steps=10, grad_accum=4), 40)
+    model.fit(tf.data.Dataset.from_tensor_slices(((rows, rows), rows)).batch(2), epochs=1, verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations.numpy()) == 1  # 6 batches: one update of 4, 2 batches pending
+    schedule = model.optimizer.learning_rate  # evaluated at the optimizer's step
+    assert float(schedule) == pytest.approx(32 ** -0.5 * 1 * 10 ** -1.5)
+
+
+# ---------------------------------------------------------------------------
+# The batch a user asked for.
+
+
+@pytest.mark.parametrize("settings, replicas, plan", [
+    # A global budget is split between the replicas: the update keeps its size on any number of them.
+    ({"tokens_per_batch": 8000}, 2, (4000, 2, 1, 8000)),
+    ({"tokens_per_batch": 8000, "grad_accum": 3}, 4, (2000, 4, 3, 24000)),
+    # A per-replica budget wins: the batch on N replicas is N times it.
+    ({"tokens_per_batch": 8000, "tokens_per_replica": 3000, "grad_accum": 2}, 2, (3000, 2, 2, 12000)),
+])
+def test_the_batch_plan(settings, replicas, plan):
+    from training.config import DEFAULTS, batch_plan
+
+    got = batch_plan({**DEFAULTS, **settings}, replicas)
+    assert (got["tokens_per_replica"], got["replicas"], got["grad_accum"], got["tokens_per_update"]) == plan
+
+
+def test_a_run_resumed_on_other_devices_keeps_its_tokens_per_update_or_says_how():
+    from training.config import DEFAULTS, batch_plan
+    from training.errors import ConfigError
+
+    cfg = {**DEFAULTS, "tokens_per_replica": 3000, "grad_accum": 2}
+    on_four = batch_plan(cfg, 4)
+    assert on_four["tokens_per_update"] == 24000
+    assert batch_plan(cfg, 8, on_four)["grad_accum"] == 1  # 8 x 1 x 3000
+    assert batch_plan(cfg, 2, on_four)["grad_accum"] == 4  # 2 x 4 x 3000
+    assert batch_plan(cfg, 1, on_four)["grad_accum"] == 8
+    with pytest.raises(ConfigError, match=r"4 replica\(s\) x 2 batch\(es\) per update x 3,000 tokens = 24,000 "
+                                          r"tokens per update; on 3 replicas.*--tokens-per-replica T --grad-accum N"):
+        batch_plan(cfg, 3, on_four)
+    # A global budget keeps the update's size by itself: the accumulation stays.
+    glob = {**DEFAULTS, "tokens_per_batch": 24000, "grad_accum": 2}
+    assert batch_plan(glob, 2, batch_plan(glob, 4)) == batch_plan(glob, 2)
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_kt_train_accumulates_on_two_replicas_and_keeps_its_batch_plan_on_one(tmp_path):
+    """kt-train --cpu-replicas 2 --grad-accum 2 (refused before, as Keras cannot accumulate under
+    tf.distribute): it trains to --max-updates, counting updates, and prints and records its batch plan; continued
+    on one replica, it accumulates twice as many batches to keep its tokens per update."""
+    model_dir = tmp_path / "run"
+    args = two_batch_epochs_args(tmp_path, model_dir)
+    args[args.index("--steps-per-epoch") + 1] = "4"
+    args += ["--cpu-replicas", "2", "--grad-accum", "2", "--tokens-per-replica", "200", "--max-updates", "3",
+             "--epochs", "5"]
+    done = subprocess.run([sys.executable, "-m", "training.train", *args], cwd=REPO, env=distributed_env(),
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert ("batch plan: 2 replica(s) x 200 tokens per replica x 2 batch(es) per update = 800 tokens per "
+            "update") in out
+    summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
+    assert summary["optimizer_steps"] == 3 and summary["stopped_by_max_updates"] and summary["replicas"] == 2
+    assert summary["epochs_run"] == [1, 2]  # 4 batches (2 updates) an epoch: update 3 is in epoch 2
+    recorded = json.loads((model_dir / "config.json").read_text())["batch_plan"]
+    assert recorded == {"tokens_per_replica": 200, "replicas": 2, "grad_accum": 2, "tokens_per_update": 800}
+
+    # Continued on one replica (a larger --max-updates): 4 batches per update keep its 800 tokens per update.
+    args[args.index("--cpu-replicas") + 1], args[args.index("--max-updates") + 1] = "1", "4"
+    done = subprocess.run([sys.executable, "-m", "training.train", *args], cwd=REPO, env=distributed_env(),
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "resumed on 1 replica(s): 4 batches per update (not 2) keep the run's 800 tokens per update" in out
+    assert json.loads(out.split("[kt-train] done ")[1].splitlines()[0])["optimizer_steps"] == 4
+    recorded = json.loads((model_dir / "config.json").read_text())["batch_plan"]
+    assert recorded == {"tokens_per_replica": 200, "replicas": 1, "grad_accum": 4, "tokens_per_update": 800}
+
+
+# ---------------------------------------------------------------------------
+# What UpdateStep takes from Keras 3.15 (training/keras_internals.py): should one of these fail after a Keras
+# upgrade, the behaviour it names changed, and the adapter with it.
+
+KERAS_APPLY_SCRIPT = """
+from training.distribute import split_cpu
+split_cpu(2)
+import keras, tensorflow as tf
+from training.keras_internals import apply_summed_gradients
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for summed in (False, True):
+    with strategy.scope():
+        w = keras.Variable([0.0, 0.0])
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([w])
+        if summed:
+            apply_summed_gradients(optimizer)
+    tf.function(lambda: strategy.run(lambda: optimizer.apply([tf.ones(2)], [w])))()
+    print(summed, float(w.numpy()[0]))
+"""
+
+
+def test_keras_all_reduces_what_apply_is_given_unless_told_it_is_summed():
+    """Keras' TensorFlow optimizer sums the replicas' gradients inside `apply` (a gradient of 1 on each of two
+    replicas moves SGD(1) by 2); `apply_summed_gradients` makes it take them as they are (by 1)."""
+    done = subprocess.run([sys.executable, "-c", KERAS_APPLY_SCRIPT], cwd=REPO, env=distributed_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "-2.0", "True", "-1.0"]
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_the_loss_fit_logs_is_the_one_the_step_tracks():
+    import keras
+    import tensorflow as tf
+
+    from training.config import DEFAULTS
+    from training.fit import build_and_compile
+    from training.keras_internals import loss_tracker
+
+    rows = np.random.default_rng(2).integers(4, 40, size=(4, 6)).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = build_and_compile(dict(DEFAULTS, preset="tiny", model={"dropout": 0.0}), 40)
+    expected = model.loss(rows, model((rows, rows)))  # the first batch's loss, before its update
+    history = model.fit(tf.data.Dataset.from_tensor_slices(((rows, rows), rows)).batch(4), verbose=0, shuffle=False)
+    assert loss_tracker(model) in model.metrics
+    assert history.history["loss"] == [pytest.approx(float(loss_tracker(model).result()))]
+    assert history.history["loss"][0] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_the_loss_scale_grows_and_the_weights_move_as_with_keras_own_step():
+    """mixed_float16 on one device, no overflow: `UpdateStep` updates `LossScaleOptimizer`'s scale as Keras' own
+    step does (doubled after `dynamic_growth_steps` finite updates) and makes the same updates."""
+    import keras
+    import tensorflow as tf
+
+    import keras_transformer as kt
+    from training.update import UpdateStep
+
+    rng = np.random.default_rng(4)
+    features = rng.normal(size=(5, 4, 6, 8)).astype("float32")
+    labels = rng.integers(1, 20, size=(5, 4, 6)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((features, labels))
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        results = []
+        for ours in (False, True):
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6, 8)), keras.layers.Dense(20)])
+            model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2),
+                          loss=kt.MaskedSparseCategoricalCrossentropy())
+            if ours:
+                UpdateStep.install(model)
+            model.fit(data, verbose=0, shuffle=False)
+            results.append((float(model.optimizer.dynamic_scale.numpy()), int(model.optimizer.iterations.numpy()),
+                            model.get_weights()))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (keras_scale, keras_steps, keras_weights), (scale, steps, weights) = results
+    assert (scale, steps) == (keras_scale, keras_steps) == (2.0 ** 15 * 4, 5)
+    for a, b in zip(weights, keras_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)  # float16 products, another summation order
