@@ -149,9 +149,11 @@ def worker(args) -> dict:
 
 
 def recipe_settings(path) -> dict:
-    """The settings of a kt-train config file that shape a training step: preset, model overrides, vocabulary."""
+    """The settings of a kt-train config file that shape a training step: preset, model overrides, vocabulary,
+    batch, clipping, accumulation and Adam's epsilon."""
     cfg = json.loads(Path(path).read_text())
-    return {k: cfg[k] for k in ("preset", "model", "vocab_size", "tokens_per_batch") if k in cfg}
+    return {k: cfg[k] for k in ("preset", "model", "vocab_size", "tokens_per_batch", "global_clipnorm", "grad_accum",
+                                "adam_epsilon") if k in cfg}
 
 
 def main(argv=None) -> int:
