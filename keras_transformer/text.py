@@ -20,6 +20,7 @@ everything from the first end id on, and padding, dropped before detokenizing.
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import sentencepiece as spm
@@ -36,7 +37,7 @@ _SENTENCEPIECE_OPTIONS = {
     "character_coverage": 1.0, "byte_fallback": True, "shuffle_input_sentence": True,
     "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
     "pad_piece": "<pad>", "unk_piece": "<unk>", "bos_piece": "<s>", "eos_piece": "</s>",
-    "max_sentence_length": 16384, "num_threads": 2, "minloglevel": 2,
+    "max_sentence_length": 16384, "minloglevel": 2,
 }
 
 
@@ -45,7 +46,8 @@ _SENTENCEPIECE_OPTIONS = {
 
 def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, model_type: str = "unigram",
                         input_sentence_size: int = 2_000_000, seed_sentencepiece_size: int = 1_000_000,
-                        hard_vocab_limit: bool = False, lowercase: bool = False) -> bytes:
+                        hard_vocab_limit: bool = False, lowercase: bool = False,
+                        num_threads: int | None = None) -> bytes:
     """Trains a reversible sentencepiece model on an iterable of strings.
 
     Returns the serialized model proto (the bytes of a `.model` file), with
@@ -57,6 +59,11 @@ def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, mode
     trained with it writes lowercase text (`lowercases` tells which a
     model proto does). Raises `ValueError` when sentencepiece cannot train
     a vocabulary of that size.
+
+    `input_sentence_size` bounds the sentences it trains on: from more,
+    sentencepiece draws a uniform random sample of that many (reservoir
+    sampling over everything `sentences` yields; `spm.set_random_generator_seed`
+    seeds it). `num_threads`: all the machine's cores by default.
     """
     model = io.BytesIO()
     try:
@@ -64,7 +71,8 @@ def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, mode
             sentence_iterator=iter(s for s in sentences if s), model_writer=model, vocab_size=vocab_size,
             model_type=model_type, input_sentence_size=input_sentence_size,
             seed_sentencepiece_size=seed_sentencepiece_size, hard_vocab_limit=hard_vocab_limit,
-            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc", **_SENTENCEPIECE_OPTIONS)
+            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+            num_threads=num_threads or os.cpu_count() or 1, **_SENTENCEPIECE_OPTIONS)
     except RuntimeError as e:
         raise ValueError(f"Could not train a sentencepiece vocabulary of {vocab_size} pieces: {e}") from e
     return model.getvalue()

@@ -437,7 +437,7 @@ def test_kt_train_keeps_tensorflow_and_absl_log_lines_out_unless_verbose(tmp_pat
     assert quiet.returncode == 0, quiet.stderr
     output = quiet.stdout + quiet.stderr
     assert "[kt-train] done" in output and not [n for n in noise if n in output], output
-    assert "[kt-train] tokenizer: " in output and "trained on the training text" in output, output
+    assert "[kt-train] tokenizer: " in output and "lines of training text, both sides" in output, output
     loud = subprocess.run(args + ["--model-dir", str(tmp_path / "loud"), "--verbose"], cwd=REPO,
                           env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert loud.returncode == 0, loud.stderr

@@ -226,6 +226,53 @@ def test_utf16_and_nul_bytes_are_refused_by_name(tmp_path):
         read_parallel_files(src, tgt)
 
 
+def test_gzip_files_are_read_with_the_same_errors_as_plain_ones(tmp_path):
+    """A gzip-compressed side (WMT's corpora come so) reads as its text; its errors name the file and the
+    decompressed line and byte; a file cut short is refused as such."""
+    import gzip
+
+    src, tgt = _pair_files(tmp_path, gzip.compress("one\ntwo\n".encode()), "eins\nzwei\n".encode())
+    s, t, stats = read_parallel_files(src, tgt)
+    assert (s, t, stats.kept) == (["one", "two"], ["eins", "zwei"], 2)
+    src, tgt = _pair_files(tmp_path, b"one\nMuller\n", gzip.compress("eins\nMüller\n".encode("latin-1")))
+    with pytest.raises(DataError, match=f"{tgt}, line 2: not UTF-8 \\(byte 0xfc at byte 2 of the line\\)"):
+        read_parallel_files(src, tgt)
+    src, tgt = _pair_files(tmp_path, gzip.compress(b"one\n" * 1000)[:20], b"eins\n" * 1000)
+    with pytest.raises(DataError, match=f"{src}: a damaged or incomplete gzip file"):
+        read_parallel_files(src, tgt)
+
+
+@needs_multi30k
+def test_the_vocabulary_is_trained_on_a_uniform_sample_of_the_whole_corpus(tmp_path):
+    """A corpus whose second half differs from its first (every word reversed), and a sample smaller than
+    either half: the vocabulary covers both halves alike (pieces per character within 15%), where one trained
+    on the first lines of the same size, as kt-train did, covers the second half far worse."""
+    import sentencepiece as spm
+    import tensorflow as tf
+
+    from conftest import multi30k_lines
+    from keras_transformer.text import train_sentencepiece
+    from training.config import DEFAULTS
+    from training.fit import get_tokenizer_proto
+
+    english = multi30k_lines("train.en", 4000)
+    reversed_words = [" ".join(word[::-1] for word in line.split()) for line in english[2000:]]
+    corpus = english[:2000] + reversed_words
+    pairs = tf.data.Dataset.from_tensor_slices((corpus, corpus))
+
+    def gap(proto):  # pieces per character: second half / first half
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+        per_char = [sum(len(sp.encode(line)) for line in lines) / sum(len(line) for line in lines)
+                    for lines in (english[:200], reversed_words[-200:])]
+        return per_char[1] / per_char[0]
+
+    sampled, _ = get_tokenizer_proto(dict(DEFAULTS, vocab_size=400, vocab_sample=400), pairs, tmp_path, True)
+    spm.set_random_generator_seed(DEFAULTS["seed"])
+    first_lines = train_sentencepiece(corpus[:400], 400)
+    assert 0.85 < gap(sampled) < 1.15
+    assert gap(first_lines) > 1.3
+
+
 def test_a_utf8_byte_order_mark_is_removed_and_reported(tmp_path, caplog):
     src, tgt = _pair_files(tmp_path, "\ufeffone\ntwo\n".encode(), b"eins\nzwei\n")
     with caplog.at_level(logging.WARNING, logger="training.text_files"):

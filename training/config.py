@@ -36,6 +36,7 @@ DEFAULTS = {
     "tokenizer": None,
     "init_from": None,
     "vocab_size": 8000,
+    "vocab_sample": 2_000_000,
     "lowercase": False,
     "tokens_per_batch": 4096,
     "tokens_per_replica": None,
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer and batches")
     g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
     g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
+    g.add_argument("--vocab-sample", type=int, metavar="LINES",
+                   help="train the vocabulary on a uniform random sample of this many lines of all the training "
+                   "text, both sides, drawn by --seed (default 2,000,000; a smaller corpus is used whole)")
     g.add_argument("--lowercase", action="store_true",
                    help="train a case-folding vocabulary (sentencepiece's nmt_nfkc_cf normaliser): the model reads "
                    "and writes lowercase text, and kt-evaluate scores it case-insensitively (default: cased)")
@@ -214,7 +218,8 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{flag} ({key}) must be positive, got {cfg[key]!r}")
     at_least_one = {"epochs": "--epochs", "max_updates": "--max-updates", "average_last": "--average-last",
                     "beam_size": "--beam-size", "grad_accum": "--grad-accum", "tokens_per_replica": "--tokens-per-replica",
-                    "tokens_per_batch": "--tokens-per-batch", "backup_every": "--backup-every"}
+                    "tokens_per_batch": "--tokens-per-batch", "backup_every": "--backup-every",
+                    "vocab_sample": "--vocab-sample"}
     for key, flag in at_least_one.items():
         if cfg.get(key) is not None and not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")

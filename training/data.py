@@ -80,10 +80,8 @@ def load_text_pairs(spec: DataSpec, split: str, *, max_examples: int | None = No
     return ds
 
 
-def iterate_text(ds, limit: int | None = None):
+def iterate_text(ds):
     """Yields python strings from both sides of a pair dataset (for vocabulary training)."""
-    for i, (s, t) in enumerate(ds.as_numpy_iterator()):
-        if limit is not None and i >= limit:
-            break
+    for s, t in ds.as_numpy_iterator():
         yield s.decode("utf-8")
         yield t.decode("utf-8")

@@ -55,11 +55,15 @@ def data_spec(cfg) -> DataSpec:
                     check_alignment=cfg["check_alignment"])
 
 
-def _wait_for(path: Path, timeout: float = 600.0) -> None:
+def _wait_for(path: Path, timeout: float = 1800.0) -> None:
+    """Waits for the chief worker to write `path`; a `ConfigError` saying what to check after `timeout` s."""
     t0 = time.time()
     while not path.exists():
         if time.time() - t0 > timeout:
-            raise TimeoutError(f"Waited {timeout:.0f}s for the chief to write {path}")
+            raise ConfigError(
+                f"this worker waited {timeout:.0f} s for the chief worker to write the vocabulary {path}. Is "
+                f"--model-dir on storage every worker shares, and is the chief running? To skip the wait, train "
+                f"the vocabulary once and give every worker --tokenizer PATH.")
         time.sleep(0.5)
 
 
@@ -91,10 +95,17 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
         _wait_for(path)
         proto = read_tokenizer_proto(path)
         return proto, lowercases(proto)
-    spm.set_random_generator_seed(cfg["seed"])
+    spm.set_random_generator_seed(cfg["seed"])  # seeds sentencepiece's sample of the lines too
     t0 = time.time()
+    lines = [0]
+
+    def counted():
+        for line in iterate_text(train_pairs):
+            lines[0] += 1
+            yield line
+
     try:
-        proto = train_sentencepiece(iterate_text(train_pairs, limit=2_000_000), cfg["vocab_size"],
+        proto = train_sentencepiece(counted(), cfg["vocab_size"], input_sentence_size=cfg["vocab_sample"],
                                     lowercase=bool(cfg.get("lowercase")))
     except ValueError as e:
         raise ConfigError(f"{e} (--vocab-size)") from e
@@ -102,8 +113,11 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
     tmp.write_bytes(proto)
     os.replace(tmp, path)  # atomic: other workers wait for this file
     folding = lowercases(proto)
+    sample = (f"a uniform random sample of {cfg['vocab_sample']:,} of its {lines[0]:,} lines"
+              if lines[0] > cfg["vocab_sample"] else f"all its {lines[0]:,} lines")
     print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces"
-          f"{_folding(folding)}, trained on the training text in {time.time() - t0:.1f} s)", flush=True)
+          f"{_folding(folding)}, trained on {sample} of training text, both sides, in {time.time() - t0:.1f} s)",
+          flush=True)
     return proto, folding
 
 

@@ -3,6 +3,8 @@
 `read_parallel_files` is the one reader of training and validation text (the
 Multi30k builder uses it too). What it does with each kind of damage:
 
+- gzip-compressed files (`.gz`, or any file starting with gzip's magic bytes): read
+  decompressed, every error below naming the decompressed line;
 - a missing file, or two files whose line counts differ: an error naming both
   files and both counts (with a hint when one file uses carriage returns alone
   as line ends);
@@ -22,7 +24,9 @@ Multi30k builder uses it too). What it does with each kind of damage:
 from __future__ import annotations
 
 import codecs
+import gzip
 import logging
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,14 +61,25 @@ def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
     return data.count(b"\n", 0, offset) + 1, offset - (data.rfind(b"\n", 0, offset) + 1) + 1
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_text_lines(path) -> tuple[list[str], bool]:
-    """The lines of a UTF-8 corpus file, and whether a byte-order mark was removed.
+    """The lines of a UTF-8 corpus file, plain or gzip-compressed (told by its first bytes, whatever its name),
+    and whether a byte-order mark was removed.
 
     Raises `DataError` naming the file, the line and the byte when the file is
-    UTF-16, is not UTF-8, or holds a NUL byte.
+    UTF-16, is not UTF-8, or holds a NUL byte (lines and bytes of the
+    decompressed text), or when a gzip file is cut short or damaged.
     """
     path = Path(path)
     data = path.read_bytes()
+    if data.startswith(GZIP_MAGIC):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{path}: a damaged or incomplete gzip file ({e}); download or compress it again, "
+                            f"or check it with gzip -t") from None
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         raise DataError(f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark); convert it to UTF-8, "
                         f"e.g. iconv -f UTF-16 -t UTF-8")
