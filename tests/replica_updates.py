@@ -6,7 +6,8 @@ CPU devices and multi-worker strategies must be set up before TensorFlow starts)
 
 For each case it trains 3 updates of a tiny Transformer (dropout off, SGD, so a gradient's scale shows in the
 weights) on the same global batches, whose halves hold different numbers of real target tokens, with kt-train's
-own `build_and_compile` (its `UpdateStep`), and writes the weights after each update (the chief's, for workers).
+own `build_and_compile` (its `UpdateStep`), and writes the weights after each update (the chief's, for workers),
+then `evaluate`s the trained model on the same batches.
 Case "overflow" (mixed_float16, a one-layer model under the same `UpdateStep`) makes the first batch's second
 half overflow and writes the loss scale, the optimizer's step and every replica's copy of the weights after each
 batch.
@@ -141,8 +142,12 @@ def train_case(strategy, name):
                   if name == "accumulate" and strategy.num_replicas_in_sync == 1 else None)
     record = Record()
     model.fit(dataset(data), epochs=1, verbose=0, callbacks=[record])
+    evaluated = model.evaluate(dataset(data), verbose=0, return_dict=True)["loss"]
+    if strategy.num_replicas_in_sync == 1:  # the definition: the mean over every real target token
+        sums = [model.loss.token_sum_and_count(to, model((s, ti), training=False)) for (s, ti), to in data]
+        definition = {**(definition or {}), "loss": float(sum(t for t, _ in sums) / sum(c for _, c in sums))}
     return {"start": start, "updates": record.updates, "replicas": strategy.num_replicas_in_sync,
-            "definition": definition}
+            "definition": definition, "evaluated": evaluated}
 
 
 def overflow_case(strategy):

@@ -73,6 +73,16 @@ def test_the_clip_applies_to_the_summed_gradient(runs, case, replicas):
         assert min(u["norm"] for u in runs[replicas][unclipped]["updates"]) > 10 * LEARNING_RATE * CLIP
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_validation_loss_is_the_mean_over_every_real_target_token_on_any_replica_count(runs, case):
+    """evaluate() counts the loss as an update does: over every real target token of the batches (of unequal
+    token counts), whatever the replicas, not as a mean of per-replica or per-batch means. (Its "loss" is
+    Keras' loss tracker's result, which `training.keras_internals.loss_tracker` hands the step.)"""
+    definition = runs["1"][case]["definition"]["loss"]
+    for replicas in ("1", "2", "workers"):
+        assert runs[replicas][case]["evaluated"] == pytest.approx(definition, rel=1e-5), replicas
+
+
 def test_the_update_is_the_mean_over_its_real_target_tokens(runs):
     """fairseq's normalisation: the update's loss is the sum over all its tokens divided by their count, not a
     mean of the accumulated batches' means (which weighs a short batch's tokens more). The batches' token
@@ -271,25 +281,6 @@ def test_keras_all_reduces_what_apply_is_given_unless_told_it_is_summed():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "-2.0", "True", "-1.0"]
-
-
-@pytest.mark.filterwarnings("ignore:Your input ran out of data")
-def test_the_loss_fit_logs_is_the_one_the_step_tracks():
-    import keras
-    import tensorflow as tf
-
-    from training.config import DEFAULTS
-    from training.fit import build_and_compile
-    from training.keras_internals import loss_tracker
-
-    rows = np.random.default_rng(2).integers(4, 40, size=(4, 6)).astype("int32")
-    keras.utils.set_random_seed(0)
-    model = build_and_compile(dict(DEFAULTS, preset="tiny", model={"dropout": 0.0}), 40)
-    expected = model.loss(rows, model((rows, rows)))  # the first batch's loss, before its update
-    history = model.fit(tf.data.Dataset.from_tensor_slices(((rows, rows), rows)).batch(4), verbose=0, shuffle=False)
-    assert loss_tracker(model) in model.metrics
-    assert history.history["loss"] == [pytest.approx(float(loss_tracker(model).result()))]
-    assert history.history["loss"][0] == pytest.approx(float(expected), rel=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")

@@ -85,11 +85,13 @@ class UpdateStep:
 
     @classmethod
     def install(cls, model, **kwargs) -> "UpdateStep":
-        """Makes `model.fit` train with an `UpdateStep(model, **kwargs)`, and work under the current strategy
+        """Makes `model.fit` train with an `UpdateStep(model, **kwargs)` (and `evaluate` count its loss as the
+        step does, `evaluate_step`), and work under the current strategy
         as kt-train's fit does (`training.keras_internals`: `rank1_step_logs` under
         MultiWorkerMirroredStrategy, `no_step_without_data`); returns the step."""
         step = cls(model, **kwargs)
         model.train_step = step
+        model.test_step = step.evaluate_step
         if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
             rank1_step_logs(model)
         no_step_without_data(model)  # else each epoch's end counts an update that no batch made
@@ -143,6 +145,16 @@ class UpdateStep:
             # replica holds the same `due` and `finite` (counts and all-reduced sums), so the first one's decide.
             context.merge_call(self._maybe_update, args=(None if self.accumulate > 1 else grads, due, finite,
                                                          tokens_total))
+        return self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def evaluate_step(self, data):
+        """`model.test_step`: the loss counted as the training step counts it, the mean over the real target
+        tokens of every batch and replica (Keras' own weighs each replica's mean by its sentences)."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self.model(x, training=False)
+        loss_sum, tokens = self.loss.token_sum_and_count(y, y_pred, sample_weight)
+        total = tf.distribute.get_replica_context().all_reduce(SUM, tf.stack([loss_sum, tokens]))
+        loss_tracker(self.model).update_state(tf.math.divide_no_nan(total[0], total[1]), sample_weight=total[1])
         return self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply(self, grads, tokens):
