@@ -49,7 +49,8 @@ endif
 # TEST_WORKERS=0 runs the suite in this one process. Not PyTorch's: its eager ops keep both cores busy already,
 # and 2 workers made it slower (docs/testing.md, "The three suites").
 TEST_WORKERS ?= auto
-PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+# -rs: every skipped test's reason in the summary (under CI=true a skip not on tests/ci_skips.py's list fails).
+PYTEST := -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 # What CI runs (.ci/run): the whole suite on TensorFlow (tests/portable included, and the cross-backend tests of
 # tests/test_backends.py), then tests/portable on JAX and on PyTorch. All three run; any failure fails `make test`.
@@ -73,9 +74,11 @@ test-jax: venv-jax
 
 ifneq ($(TORCH_WHEEL),)
 test-torch: venv-torch
-	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python -m pytest -q tests/portable
+	KERAS_BACKEND=torch $(TORCH_VENV)/bin/python -m pytest -q -rs tests/portable
 else
+# Without the wheel the PyTorch suite is skipped, but not under CI, which must not pass having skipped it.
 test-torch: venv-torch
+	@if [ "$$CI" = "true" ]; then echo "CI: no PyTorch CPU wheel for $(PYTHON_TAG) in /opt/wheels (TORCH_WHEEL=...): the PyTorch suite cannot be skipped under CI"; exit 1; fi
 endif
 
 # README's first command, Multi30k SRC->TGT end to end: train with CONFIG (configs/multi30k.json: small preset,

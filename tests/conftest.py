@@ -23,6 +23,9 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# Under CI=true, a skip that is not on tests/ci_skips.py's list of expected skips fails.
+pytest_plugins = ["ci_skips"]
+
 if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
     # On TensorFlow, `import keras` loads TensorFlow, whose C++ start-up lines ("oneDNN custom operations are
     # on", "Could not find cuda drivers") are written before TF_CPP_MIN_LOG_LEVEL applies, and each xdist
