@@ -49,6 +49,7 @@ setup(
     entry_points={
         "console_scripts": [
             "kt-train=training.train:main",
+            "kt-prepare=training.prepare:main",
             "kt-evaluate=training.evaluate:main",
             "kt-average-checkpoints=training.average_checkpoints:main",
             "kt-export=export.export_model:main",

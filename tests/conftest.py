@@ -593,14 +593,15 @@ def free_ports(n):
 
 
 def start_workers(cmd, log_paths):
-    """Two workers running `cmd` (kt-train, or any program) in one MultiWorkerMirroredStrategy cluster on
-    127.0.0.1: [(process, log file)]."""
+    """Two workers running `cmd` (kt-train, or any program; or a list of one command per worker) in one
+    MultiWorkerMirroredStrategy cluster on 127.0.0.1: [(process, log file)]."""
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    cmds = cmd if isinstance(cmd[0], (list, tuple)) else [cmd] * len(log_paths)
     procs = []
     for i, log_path in enumerate(log_paths):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
         log = open(log_path, "w")
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=distributed_env(TF_CONFIG=json.dumps(tf_config)),
+        procs.append((subprocess.Popen(cmds[i], cwd=REPO, env=distributed_env(TF_CONFIG=json.dumps(tf_config)),
                                        stdout=log, stderr=subprocess.STDOUT), log))
     return procs
 

@@ -29,6 +29,7 @@ DEFAULTS = {
     "tfds_data_dir": None,
     "train_files": None,
     "valid_files": None,
+    "prepared": None,
     "check_alignment": True,
     "source_lang": "en",
     "target_lang": "de",
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets (default $KT_TFDS_DIR or ~/tensorflow_datasets)")
     g.add_argument("--train-files", nargs=2, metavar=("SOURCE", "TARGET"), help="parallel text files (implies --dataset files)")
     g.add_argument("--valid-files", nargs=2, metavar=("SOURCE", "TARGET"), help="validation text files for --dataset files")
+    g.add_argument("--prepared", metavar="DIR",
+                   help="train on a corpus kt-prepare prepared (its shards, its vocabulary, its validation set "
+                   "unless --valid-files), streamed, each worker its own shards")
     g.add_argument("--source-lang")
     g.add_argument("--target-lang")
     g.add_argument("--no-alignment-check", dest="check_alignment", action="store_false",
@@ -225,6 +229,16 @@ def check_settings(cfg) -> None:
             raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
     if cfg.get("epochs") is None and cfg.get("max_updates") is None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
+    if cfg.get("prepared"):
+        clashes = {"subword_sampling": "--subword-sampling: it draws each sentence's segmentation anew every "
+                   "epoch, from its text, and a prepared corpus holds token ids; train from text "
+                   "(--train-files) to sample segmentations",
+                   "tokenizer": "--tokenizer: a prepared corpus's ids are in its own vocabulary",
+                   "max_train_examples": "--max-train-examples: prepare a smaller corpus instead",
+                   "train_files": "--train-files: the corpus is the prepared one"}
+        for key, why in clashes.items():
+            if cfg.get(key):
+                raise ConfigError(f"--prepared cannot be combined with {why}")
     off_at_zero = {"subword_sampling": "--subword-sampling", "r_drop": "--r-drop"}
     for key, flag in off_at_zero.items():
         if cfg.get(key) is not None and not cfg[key] >= 0:

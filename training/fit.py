@@ -33,6 +33,7 @@ from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
+from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
 from training.update import UpdateStep
 
@@ -41,8 +42,18 @@ from training.update import UpdateStep
 NO_EPOCH_LIMIT = 1_000_000
 
 
-def data_spec(cfg) -> DataSpec:
-    """The DataSpec of a configuration; `--dataset files` needs --train-files."""
+def data_spec(cfg, corpus: PreparedCorpus | None = None) -> DataSpec:
+    """The DataSpec of a configuration; `--dataset files` needs --train-files. With a prepared `corpus`, the
+    spec of its validation set: --valid-files, else the one kt-prepare recorded."""
+    if corpus is not None:
+        validation = ({"files": cfg["valid_files"]} if cfg.get("valid_files")
+                      else corpus.manifest.get("validation") or {})
+        if "files" in validation:
+            return DataSpec(dataset="files", source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
+                            files={"validation": tuple(validation["files"])}, check_alignment=cfg["check_alignment"])
+        return DataSpec(dataset=validation.get("tfds", "files"), source_lang=cfg["source_lang"],
+                        target_lang=cfg["target_lang"], data_dir=validation.get("data_dir") or cfg["data_dir"],
+                        tfds_data_dir=validation.get("tfds_data_dir") or cfg["tfds_data_dir"], files={})
     files = None
     if cfg["dataset"] == "files":
         if not cfg.get("train_files"):
@@ -80,7 +91,7 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
                          "--init-from's" if cfg.get("init_from") else "--tokenizer's")
         if is_chief:
             path.write_bytes(proto)
-            flag = "--init-from" if cfg.get("init_from") else "--tokenizer"
+            flag = "--init-from" if cfg.get("init_from") else "--prepared" if cfg.get("prepared") else "--tokenizer"
             print(f"[kt-train] tokenizer: {cfg['tokenizer']} ({flag}{_folding(folding)}), copied to {path}",
                   flush=True)
         return proto, folding
@@ -262,9 +273,27 @@ def train(cfg: dict, strategy=None) -> dict:
         cfg = {**cfg, "tokenizer": str(init.tokenizer_file), "init_from_model": init,
                "preset": init.preset or cfg["preset"]}
 
-    spec = data_spec(cfg)
-    train_pairs = load_text_pairs(spec, "train", max_examples=cfg["max_train_examples"])
-    proto, folding = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
+    corpus = None
+    if cfg.get("prepared"):
+        corpus = open_prepared(cfg["prepared"], shards=[])  # the manifest alone: this worker's shards below
+        worker = worker_shards(len(corpus.shards), task_index, num_workers)
+        corpus = open_prepared(cfg["prepared"], shards=worker if num_workers > 1 else None)
+    if corpus is not None:
+        # The corpus's ids are in its vocabulary; no worker trains one or waits for one.
+        for key in ("source_lang", "target_lang"):
+            if cfg[key] != corpus.manifest[key]:
+                raise ConfigError(f"--{key.replace('_', '-')} {cfg[key]} but {corpus.directory} was prepared with "
+                                  f"{corpus.manifest[key]}")
+        if cfg.get("init_from") and Path(cfg["tokenizer"]).read_bytes() != corpus.tokenizer_file.read_bytes():
+            raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
+                              f"it with kt-prepare --tokenizer {cfg['tokenizer']}")
+        train_pairs = None
+        proto, folding = get_tokenizer_proto({**cfg, "tokenizer": str(corpus.tokenizer_file)}, None, model_dir,
+                                             is_chief)
+    else:
+        train_pairs = load_text_pairs(data_spec(cfg), "train", max_examples=cfg["max_train_examples"])
+        proto, folding = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
+    spec = data_spec(cfg, corpus)
     # config.json records what the vocabulary does (a --tokenizer may case-fold without --lowercase):
     # kt-evaluate scores a case-folding model's output case-insensitively.
     cfg = {**cfg, "lowercase": folding}
@@ -290,20 +319,43 @@ def train(cfg: dict, strategy=None) -> dict:
     # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
     # the loss is the plain one. The batch counts below see each pair once: what an update trains on.
     copies = 2 if cfg.get("r_drop") else 1
-    train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
-                            seed=cfg["seed"], repeat=bool(steps), copies=copies, **batch_args)
+    if corpus is not None:
+        stream = dict(max_length=cfg["max_length"], tokens_per_replica=plan["tokens_per_replica"], seed=cfg["seed"],
+                      pad_to_bucket_boundary=bool(cfg["jit_compile"]), copies=copies)
+
+        def worker_batches(context=tf.distribute.InputContext()):
+            # One batch per replica: each of this worker's replicas takes the next one in turn.
+            shards = worker_shards(len(corpus.shards), context.input_pipeline_id, context.num_input_pipelines)
+            return prepared_dataset(corpus, shards, **stream)
+
+        train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or num_workers > 1
+                    else worker_batches())
+        steps = steps or steps_per_epoch(corpus, max_length=cfg["max_length"],
+                                         tokens_per_replica=plan["tokens_per_replica"], replicas=replicas)
+        print(f"[kt-train] data: {corpus.directory} ({corpus.pairs:,} pairs in {len(corpus.shards)} shards; "
+              f"worker {task_index + 1}/{num_workers} reads {len(worker)}); an epoch is {steps:,} updates",
+              flush=True)
+    else:
+        train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
+                                seed=cfg["seed"], repeat=bool(steps), copies=copies, **batch_args)
     batch_contents = None
     if is_chief:
-        # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
-        counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
-                               seed=cfg["seed"], **batch_args)
+        if corpus is not None:
+            counted = prepared_dataset(corpus, worker, **{**stream, "copies": 1})
+        else:
+            # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
+            counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
+                                   seed=cfg["seed"], **batch_args)
         batch_contents = mean_target_tokens(counted)
         accum = cfg["grad_accum"] or 1
-        batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum)
+        # Per batch of all replicas: the prepared stream's batches are one replica's.
+        per_batch = 1 if corpus is None else replicas
+        batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum * per_batch)
         print(f"[kt-train] batches: {batch_contents['target_tokens_per_update']:,} target tokens per update "
               f"on average ({batch_contents['target_tokens']:,.0f} per batch, "
               f"{batch_contents['padded_target_tokens']:,.0f} with padding, {batch_contents['sentences']:.0f} "
               f"sentences; the first {batch_contents['batches']} batches"
+              f"{f' of one replica, {replicas} replicas' if per_batch > 1 else ''}"
               f"{f', {accum} batches per update' if accum > 1 else ''})"
               f"{'; R-Drop: each sentence twice in its batch' if copies > 1 else ''}", flush=True)
     val_ds = val_bleu = None

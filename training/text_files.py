@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import itertools
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -122,11 +123,16 @@ def check_alignment(source: list[str], target: list[str], source_path, target_pa
     checked; nor can a shift be seen in a corpus whose neighbouring lines have
     similar lengths anyway (sorted by length, say).
     """
-    n = len(source)
+    check_alignment_of_lengths([len(s) for s in source], [len(t) for t in target], source_path, target_path)
+
+
+def check_alignment_of_lengths(source_lengths, target_lengths, source_path, target_path) -> None:
+    """`check_alignment` on the lines' lengths in characters (what it reads of them), for a streamed corpus."""
+    n = len(source_lengths)
     if n < ALIGNMENT_MIN_LINES:
         return
-    src = np.log1p([len(s) for s in source])
-    tgt = np.log1p([len(t) for t in target])
+    src = np.log1p(np.asarray(source_lengths, np.float64))
+    tgt = np.log1p(np.asarray(target_lengths, np.float64))
     size = min(ALIGNMENT_WINDOW, n)
     for start in range(0, n - size // 2, size):
         end = min(start + size, n)
@@ -210,3 +216,114 @@ def read_parallel_files(source_path, target_path, *, check_shift: bool = True
     if stats.kept == 0:
         raise DataError(f"No non-empty line pairs in {source_path} / {target_path}.")
     return out_src, out_tgt, stats
+
+
+# Lines a streamed corpus is read in at a time (`iter_parallel_chunks`).
+STREAM_CHUNK_LINES = 20_000
+
+
+def _open_corpus(path: Path):
+    """A binary stream of a corpus file's text, decompressed when it starts with gzip's magic bytes."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
+
+
+def iter_text_chunks(path, chunk_lines: int = STREAM_CHUNK_LINES):
+    """The lines of a corpus file (plain or gzip), `chunk_lines` at a time, read as a stream: lists of `str`.
+
+    The errors and repairs of `read_text_lines`, naming the same file, line and
+    byte, with memory bounded by a chunk. A removed UTF-8 byte-order mark is
+    logged.
+    """
+    path = Path(path)
+    first, offset = True, 0  # offset: lines before this chunk
+    try:
+        with _open_corpus(path) as f:
+            while True:
+                raw = list(itertools.islice(f, chunk_lines))
+                if not raw:
+                    return
+                data = b"".join(raw)
+                if first:
+                    first = False
+                    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                        raise DataError(f"{path} is UTF-16 (it starts with a UTF-16 byte-order mark); convert it "
+                                        f"to UTF-8, e.g. iconv -f UTF-16 -t UTF-8")
+                    if data.startswith(codecs.BOM_UTF8):
+                        data = data[len(codecs.BOM_UTF8):]
+                        log.warning("Removed the UTF-8 byte-order mark at the start of %s.", path)
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    line, column = _line_and_column(data, e.start)
+                    raise DataError(f"{path}, line {offset + line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                                    f"{column} of the line); convert the file to UTF-8, e.g. iconv -f LATIN1 -t "
+                                    f"UTF-8") from None
+                nul = data.find(b"\x00")
+                if nul >= 0:
+                    line, column = _line_and_column(data, nul)
+                    raise DataError(f"{path}, line {offset + line}: a NUL byte at byte {column} of the line; is "
+                                    f"this a text file (UTF-16 without a byte-order mark is read so)?")
+                lines = split_lines(text)
+                offset += len(lines)
+                yield lines
+    except (OSError, EOFError, zlib.error) as e:
+        if isinstance(e, FileNotFoundError):
+            raise DataNotFoundError(f"Parallel text file not found: {path}") from None
+        raise DataError(f"{path}: a damaged or incomplete gzip file ({e}); download or compress it again, "
+                        f"or check it with gzip -t") from None
+
+
+def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
+                         chunk_lines: int = STREAM_CHUNK_LINES, stats: ReadStats | None = None):
+    """`read_parallel_files` as a stream: yields `(source_lines, target_lines)` chunks of the non-empty pairs.
+
+    The same errors (a line-count mismatch once the shorter file ends, with both
+    counts; the shift check of `check_alignment` once both have ended, on the
+    lines' lengths, which are all it keeps: 8 bytes a pair). `stats`, if given,
+    is filled in as the files are read.
+    """
+    source_path, target_path = Path(source_path), Path(target_path)
+    for p in (source_path, target_path):
+        if not p.is_file():
+            raise DataNotFoundError(f"Parallel text file not found: {p}")
+    stats = stats if stats is not None else ReadStats()
+    lengths = ([], [])
+    sources, targets = iter_text_chunks(source_path, chunk_lines), iter_text_chunks(target_path, chunk_lines)
+    for src in sources:
+        tgt = next(targets, [])
+        if len(src) != len(tgt):
+            n_src = stats.lines + len(src) + sum(len(c) for c in sources)
+            n_tgt = stats.lines + len(tgt) + sum(len(c) for c in targets)
+            raise LineCountMismatchError(
+                f"Line counts differ: {source_path} has {n_src} lines but {target_path} has {n_tgt} lines. The "
+                f"two files must be line-aligned translations.")
+        if check_shift:
+            lengths[0].append(np.fromiter((len(s) for s in src), np.int32, len(src)))
+            lengths[1].append(np.fromiter((len(t) for t in tgt), np.int32, len(tgt)))
+        out_src, out_tgt = [], []
+        for i, (s, t) in enumerate(zip(src, tgt), start=stats.lines + 1):
+            if not s.strip() or not t.strip():
+                stats.empty_skipped += 1
+                if len(stats.empty_line_numbers) < 20:
+                    stats.empty_line_numbers.append(i)
+                continue
+            out_src.append(s)
+            out_tgt.append(t)
+        stats.lines += len(src)
+        stats.kept += len(out_src)
+        if out_src:
+            yield out_src, out_tgt
+    rest = sum(len(c) for c in targets)
+    if rest:
+        raise LineCountMismatchError(
+            f"Line counts differ: {source_path} has {stats.lines} lines but {target_path} has {stats.lines + rest} "
+            f"lines. The two files must be line-aligned translations.")
+    if check_shift and lengths[0]:
+        check_alignment_of_lengths(np.concatenate(lengths[0]), np.concatenate(lengths[1]), source_path, target_path)
+    if stats.empty_skipped:
+        log.warning("Skipped %d empty line pair(s) in %s / %s (line numbers, first 20: %s); kept %d of %d.",
+                    stats.empty_skipped, source_path, target_path, stats.empty_line_numbers, stats.kept, stats.lines)
+    if stats.kept == 0:
+        raise DataError(f"No non-empty line pairs in {source_path} / {target_path}.")

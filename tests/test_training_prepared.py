@@ -1,0 +1,325 @@
+"""Prepared corpora: kt-prepare's shards and manifest, and the batches kt-train streams from them.
+
+The ids are the in-graph tokenizer's (`export.tokenizer.encode_pair`'s
+sequences, pair for pair); an epoch holds every pair once, within the budget;
+the shuffle spans the whole corpus; a killed prepare is never trained on and
+starts again to the same result; damaged shards are refused; two workers each
+read only their own shards and take the same updates per epoch.
+"""
+
+import collections
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO, distributed_env, multi30k_lines, needs_multi30k, start_workers, wait_all, write_lines
+from export.tokenizer import make_tokenizer
+from keras_transformer.text import END_ID, PAD_ID, START_ID
+from training import prepare as prepare_module
+from training.errors import ConfigError, DataError, LineCountMismatchError
+from training.pipeline import bucket_boundaries
+from training.prepare import build_parser, prepare
+from training.prepared import (MANIFEST_FILENAME, open_prepared, stream_batches, steps_per_epoch,
+                               worker_shards)
+from training.text_files import iter_parallel_chunks
+
+pytestmark = needs_multi30k
+
+PAIRS = 1500  # per half
+
+
+def _reversed_words(line):
+    return " ".join(word[::-1] for word in line.split())
+
+
+def _corpus(directory):
+    """Multi30k's first PAIRS pairs, then the same pairs with every word reversed: a second half unlike the
+    first. Returns (source file, target file, source lines, target lines)."""
+    src = multi30k_lines("train.en", PAIRS)
+    tgt = multi30k_lines("train.de", PAIRS)
+    src, tgt = src + [_reversed_words(s) for s in src], tgt + [_reversed_words(t) for t in tgt]
+    return (write_lines(directory / "c.en", src), write_lines(directory / "c.de", tgt), src, tgt)
+
+
+def _prepare_args(out, src, tgt, *extra):
+    return build_parser().parse_args(["--out", str(out), "--train-files", str(src), str(tgt), "--vocab-size", "600",
+                                      "--shards", "6", *extra])
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """(corpus directory, source lines, target lines, source file, target file)."""
+    d = tmp_path_factory.mktemp("prepared")
+    src_file, tgt_file, src, tgt = _corpus(d)
+    prepare(_prepare_args(d / "out", src_file, tgt_file))
+    return d / "out", src, tgt, src_file, tgt_file
+
+
+def _rows(batches):
+    """(source, target_in, target_out) of every row of `batches`, each without its padding."""
+    out = []
+    for (s, ti), to in batches:
+        for r in range(len(s)):
+            out.append(tuple(tuple(int(x) for x in a[r] if x != PAD_ID) for a in (s, ti, to)))
+    return out
+
+
+def test_an_epoch_holds_every_pair_once_as_the_in_graph_tokenizer_encodes_it(prepared):
+    directory, src, tgt, _, _ = prepared
+    corpus = open_prepared(directory)
+    tokenizer = make_tokenizer(corpus.tokenizer_file.read_bytes())
+    pieces = [tokenizer.tokenize(tf.constant(lines)).to_list() for lines in (src, tgt)]
+    expected = collections.Counter((tuple(s) + (END_ID,), (START_ID,) + tuple(t), tuple(t) + (END_ID,))
+                                   for s, t in zip(*pieces))
+    epoch = stream_batches(corpus, list(range(len(corpus.shards))), max_length=512, tokens_per_replica=2000,
+                           seed=1, epochs=1)
+    assert collections.Counter(_rows(epoch)) == expected
+    assert corpus.pairs == 2 * PAIRS and corpus.manifest["corpora"][0]["pairs"] == 2 * PAIRS
+
+
+@pytest.mark.parametrize("pad_to_bucket_boundary", [False, True])
+def test_batches_keep_the_budget_and_leave_out_long_pairs(prepared, pad_to_bucket_boundary):
+    directory = prepared[0]
+    corpus = open_prepared(directory)
+    max_length, budget = 24, 300
+    shards = list(range(len(corpus.shards)))
+    kept = 0
+    widths = set()
+    for (s, ti), to in stream_batches(corpus, shards, max_length=max_length, tokens_per_replica=budget, seed=3,
+                                      epochs=1, pad_to_bucket_boundary=pad_to_bucket_boundary):
+        assert s.dtype == ti.dtype == to.dtype == np.int32
+        for a in (s, ti, to):
+            assert a.shape[0] * a.shape[1] <= budget and a.shape[1] <= max_length
+        assert ti.shape == to.shape and (ti[:, 0] == START_ID).all()
+        assert ((s == END_ID).sum(axis=1) >= 1).all() and ((to == END_ID).sum(axis=1) >= 1).all()
+        widths.update((s.shape[1], to.shape[1]))
+        kept += len(s)
+    lengths = [np.concatenate([corpus.load_shard(i)[f"{side}_lengths"] for i in shards]) for side in ("source", "target")]
+    assert kept == int((np.maximum(*lengths) + 1 <= max_length).sum()) < corpus.pairs
+    if pad_to_bucket_boundary:
+        assert widths <= {b - 1 for b in bucket_boundaries(max_length)} | {max_length}
+    # R-Drop: every pair twice in a row, the budget counting it once.
+    (s, ti), to = next(stream_batches(corpus, shards, max_length=max_length, tokens_per_replica=budget, seed=3,
+                                      copies=2))
+    assert (s[0::2] == s[1::2]).all() and (to[0::2] == to[1::2]).all() and len(s) // 2 * s.shape[1] <= budget
+
+
+def test_steps_per_epoch_is_a_pass_over_the_corpus(prepared):
+    corpus = open_prepared(prepared[0])
+    shards = list(range(len(corpus.shards)))
+    batches = sum(1 for _ in stream_batches(corpus, shards, max_length=64, tokens_per_replica=500, seed=0,
+                                            epochs=1))
+    # One pool holds this corpus: its batches are the histogram's, exactly.
+    assert steps_per_epoch(corpus, max_length=64, tokens_per_replica=500, replicas=1) == batches
+    assert steps_per_epoch(corpus, max_length=64, tokens_per_replica=500, replicas=2) == batches // 2
+
+
+def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
+    directory, src, tgt, _, _ = prepared
+    corpus = open_prepared(directory)
+    tokenizer = make_tokenizer(corpus.tokenizer_file.read_bytes())
+    second = {tuple(ids) + (END_ID,) for ids in tokenizer.tokenize(tf.constant(src[PAIRS:])).to_list()}
+    first = {tuple(ids) + (END_ID,) for ids in tokenizer.tokenize(tf.constant(src[:PAIRS])).to_list()}
+    stream = stream_batches(corpus, list(range(len(corpus.shards))), max_length=128, tokens_per_replica=400,
+                            seed=7, pool_pairs=1000, epochs=3)
+    batches = list(stream)
+    per_epoch = len(batches) // 3
+    orders = []
+    for e in range(3):
+        epoch = batches[e * per_epoch:(e + 1) * per_epoch]
+        rows = [r[0] for r in _rows(epoch[: per_epoch // 3])]
+        share = sum(r in second for r in rows) / sum(r in second or r in first for r in rows)
+        assert 0.4 <= share <= 0.6, (e, share)
+        orders.append([r[0] for r in _rows(epoch[:5])])
+    assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+
+
+def test_the_same_command_again_does_nothing_and_another_into_the_same_directory_is_refused(prepared, capsys):
+    directory, _, _, src_file, tgt_file = prepared
+    before = (directory / MANIFEST_FILENAME).stat().st_mtime_ns
+    prepare(_prepare_args(directory, src_file, tgt_file))
+    assert "prepared already" in capsys.readouterr().out
+    assert (directory / MANIFEST_FILENAME).stat().st_mtime_ns == before
+    with pytest.raises(ConfigError, match="prepared by another command"):
+        prepare(_prepare_args(directory, src_file, tgt_file, "--shards", "3"))
+
+
+def test_a_prepare_killed_mid_shard_is_refused_then_prepared_again_whole(prepared, tmp_path, monkeypatch, capsys):
+    _, _, _, src_file, tgt_file = prepared
+    out = tmp_path / "killed"
+    real_savez, written = np.savez, []
+
+    def dies_in_the_third_shard(path, **arrays):
+        if len(written) == 2:  # half a shard on disk, then the process is gone
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04" + b"\x00" * 100)
+            raise KeyboardInterrupt
+        written.append(path)
+        real_savez(path, **arrays)
+
+    monkeypatch.setattr(prepare_module.np, "savez", dies_in_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_prepare_args(out, src_file, tgt_file))
+    monkeypatch.undo()
+    assert not (out / MANIFEST_FILENAME).exists() and len(list(out.glob("shard-*"))) == 3
+    with pytest.raises(DataError, match="has no manifest.json.*Run the same kt-prepare command again"):
+        open_prepared(out)
+    from training.train import main as kt_train
+    assert kt_train(["--prepared", str(out), "--model-dir", str(tmp_path / "m"), "--verbose", "0"]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
+
+    prepare(_prepare_args(out, src_file, tgt_file))
+    assert "from an earlier run of this command" in capsys.readouterr().out  # the vocabulary was complete
+    again = open_prepared(out)
+    for i in range(len(again.shards)):
+        again.load_shard(i)
+    # The same shards, byte for byte, as a prepare that was never killed.
+    fresh = tmp_path / "fresh"
+    prepare(_prepare_args(fresh, src_file, tgt_file))
+    assert ([s["sha256"] for s in again.shards] == [s["sha256"] for s in open_prepared(fresh).shards])
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())
+
+
+def test_a_prepare_sigkilled_while_dealing_pairs_starts_again(tmp_path):
+    """A real SIGKILL, while kt-prepare deals pairs into shards (its scatter directory exists)."""
+    lines = [(s, t) for s, t in zip(multi30k_lines("train.en", 29000), multi30k_lines("train.de", 29000)) if s]
+    src = write_lines(tmp_path / "big.en", [s for s, _ in lines] * 6)
+    tgt = write_lines(tmp_path / "big.de", [t for _, t in lines] * 6)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "training.prepare", "--out", str(out), "--train-files", str(src), str(tgt),
+           "--vocab-size", "600", "--vocab-sample", "20000", "--shards", "4", "--no-alignment-check"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not any((out / ".scatter").glob("*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    with pytest.raises(DataError, match="has no manifest.json"):
+        open_prepared(out)
+    done = subprocess.run(cmd, cwd=REPO, env=distributed_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    corpus = open_prepared(out)
+    assert corpus.pairs == 6 * len(lines) and not (out / ".scatter").exists()
+
+
+def test_damaged_shards_and_manifests_are_refused(prepared, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared[0], copy)
+    corpus = open_prepared(copy)
+    name = corpus.shards[1]["file"]
+    data = bytearray((copy / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte changed, the size kept
+    (copy / name).write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{name} does not match .*SHA-256"):
+        open_prepared(copy).load_shard(1)
+    (copy / name).write_bytes(bytes(data[:-10]))
+    with pytest.raises(DataError, match=f"{name} has {len(data) - 10:,} bytes, the manifest says {len(data):,}"):
+        open_prepared(copy)
+    (copy / name).unlink()
+    with pytest.raises(DataError, match=f"{name} is missing"):
+        open_prepared(copy)
+    (copy / MANIFEST_FILENAME).write_text('{"format": "keras-transformer prepared corpus 1", "shards": [')
+    with pytest.raises(DataError, match="not valid JSON"):
+        open_prepared(copy)
+
+
+def test_kt_train_refuses_what_a_prepared_corpus_cannot_do(prepared, tmp_path, capsys):
+    from training.train import main as kt_train
+    base = ["--prepared", str(prepared[0]), "--model-dir", str(tmp_path / "m"), "--verbose", "0"]
+    for extra, message in ((["--subword-sampling", "0.5"], "--prepared cannot be combined with --subword-sampling: "
+                            "it draws each sentence's segmentation anew every epoch"),
+                           (["--tokenizer", str(prepared[0] / "tokenizer.model")],
+                            "--prepared cannot be combined with --tokenizer"),
+                           (["--target-lang", "fr"], "--target-lang fr but .* was prepared with de")):
+        assert kt_train(base + extra) == 2
+        assert re.search(message, capsys.readouterr().err), extra
+    with pytest.raises(DataError, match="fewer than the 8 workers"):
+        worker_shards(6, 0, 8)
+    assert sorted(worker_shards(6, 0, 2) + worker_shards(6, 1, 2)) == list(range(6))
+    assert not set(worker_shards(6, 0, 2)) & set(worker_shards(6, 1, 2))
+
+
+def test_streamed_files_give_the_whole_file_readers_errors(tmp_path):
+    good = [f"line {i} of a corpus" for i in range(30)]
+    src = write_lines(tmp_path / "a.en", good)
+    bad = list(good)
+    bad[24] = b"caf\xe9 latin-1"
+    tgt = write_lines(tmp_path / "a.de", bad)
+    with pytest.raises(DataError, match="a.de, line 25: not UTF-8 \\(byte 0xe9 at byte 4 of the line\\)"):
+        list(iter_parallel_chunks(src, tgt, chunk_lines=7, check_shift=False))
+    gz = tmp_path / "a.de.gz"
+    gz.write_bytes(gzip.compress(b"".join(line.encode() + b"\n" for line in good[:-1])))
+    with pytest.raises(LineCountMismatchError, match="a.en has 30 lines but .*a.de.gz has 29 lines"):
+        list(iter_parallel_chunks(src, gz, chunk_lines=7, check_shift=False))
+    gz.write_bytes(gzip.compress(b"".join(line.encode() + b"\n" for line in good))[:-12])
+    with pytest.raises(DataError, match="a damaged or incomplete gzip file"):
+        list(iter_parallel_chunks(src, gz, chunk_lines=7, check_shift=False))
+    gz.write_bytes(gzip.compress(b"".join(line.encode() + b"\n" for line in good)))
+    chunks = list(iter_parallel_chunks(src, gz, chunk_lines=7, check_shift=False))
+    assert [len(c[0]) for c in chunks] == [7, 7, 7, 7, 2] and sum((c[1] for c in chunks), []) == good
+
+
+def test_two_workers_read_their_own_shards_and_take_the_same_updates(prepared, tmp_path):
+    """MultiWorkerMirroredStrategy on 127.0.0.1, each worker given a directory with only its own shards (and
+    the manifest and vocabulary): a worker that read another's shard would fail. Both train the same number
+    of updates per epoch and end with the same loss; neither trains or waits for a vocabulary."""
+    corpus = open_prepared(prepared[0])
+    dirs = []
+    for w in range(2):
+        d = tmp_path / f"worker{w}"
+        d.mkdir()
+        for name in (MANIFEST_FILENAME, "tokenizer.model"):
+            shutil.copy(prepared[0] / name, d / name)
+        for i in worker_shards(len(corpus.shards), w, 2):
+            shutil.copy(prepared[0] / corpus.shards[i]["file"], d)
+        dirs.append(d)
+    model_dir = tmp_path / "mw"
+    cmds = [[sys.executable, "-m", "training.train", "--prepared", str(d), "--preset", "tiny", "--model-dir",
+             str(model_dir), "--tokens-per-replica", "600", "--max-length", "40", "--epochs", "2",
+             "--no-validation", "--verbose", "2"] for d in dirs]
+    procs = start_workers(cmds, [tmp_path / f"worker{i}.log" for i in range(2)])
+    wait_all(procs, 600)
+    outs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    for (p, _), out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    steps = steps_per_epoch(corpus, max_length=40, tokens_per_replica=600, replicas=2)
+    summaries = [json.loads(out.split("[kt-train] done ")[1].splitlines()[0]) for out in outs]
+    for i, (out, summary) in enumerate(zip(outs, summaries)):
+        assert f"worker {i + 1}/2 reads 3); an epoch is {steps:,} updates" in out
+        assert summary["optimizer_steps"] == 2 * steps and summary["epochs_run"] == [1, 2]
+        assert "trained on" not in out and "waited" not in out
+    assert f"tokenizer: {dirs[0] / 'tokenizer.model'} (--prepared)" in outs[0]
+    assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=1e-6)
+
+
+def test_kt_train_streams_a_prepared_corpus_on_two_replicas_with_its_validation_set(tmp_path):
+    src = write_lines(tmp_path / "t.en", multi30k_lines("train.en", 400))
+    tgt = write_lines(tmp_path / "t.de", multi30k_lines("train.de", 400))
+    val = [write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 40)) for lang in ("en", "de")]
+    out = tmp_path / "p"
+    prepare(_prepare_args(out, src, tgt, "--vocab-size", "400", "--valid-files", *map(str, val)))
+    model_dir = tmp_path / "m"
+    done = subprocess.run([sys.executable, "-m", "training.train", "--prepared", str(out), "--preset", "tiny",
+                           "--model-dir", str(model_dir), "--cpu-replicas", "2", "--tokens-per-replica", "300",
+                           "--grad-accum", "2", "--max-updates", "3", "--verbose", "2"],
+                          cwd=REPO, env=distributed_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 replica(s) x 300 tokens per replica x 2 batch(es) per update" in done.stdout
+    assert "of one replica, 2 replicas, 2 batches per update" in done.stdout
+    summary = json.loads(done.stdout.split("[kt-train] done ")[1].splitlines()[0])
+    assert summary["optimizer_steps"] == 3
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["training"]["prepared"] == str(out)
+    assert (model_dir / "tokenizer.model").read_bytes() == (out / "tokenizer.model").read_bytes()
+    assert "val_loss" in (model_dir / "history.csv").read_text()
