@@ -88,13 +88,25 @@ endif
 # checkpoints are averaged, the beam and alpha come from the config (average_last, beam_size, alpha); AVG, BEAM
 # and ALPHA on the make line override them. Run it again after an interruption: training resumes from its
 # backup, and a run whose model.keras exists is not trained again.
+#
+# Your own parallel text instead of Multi30k: TRAIN="train.en train.de" (any number of pairs of files, plain or
+# gzip), VALID="dev.en dev.de", TEST="test.en test.de", with RUN: `kt-prepare` prepares TRAIN into
+# $(RUN)/prepared (the vocabulary's settings from CONFIG), then kt-train trains on it, and the test set scored is
+# TEST. PREPARED=DIR trains on a corpus kt-prepare made before.
 SRC ?= en
 TGT ?= de
 CONFIG ?= configs/multi30k.json
+TRAIN ?=
+VALID ?=
+TEST ?=
+PREPARED ?= $(if $(TRAIN),$(RUN)/prepared)
+# kt-prepare's --train-files for TRAIN's files, taken two by two.
+TRAIN_PAIRS = $(foreach i,$(shell seq 1 2 $(words $(TRAIN))),--train-files $(word $(i),$(TRAIN)) $(word $(shell echo $$(($(i) + 1))),$(TRAIN)))
+TEST_FLAGS = $(if $(TEST),--source-file $(word 1,$(TEST)) --references $(word 2,$(TEST)),--split test_2016_flickr)
 RECIPE := $(basename $(notdir $(CONFIG)))
 RUN_NAME := $(if $(filter multi30k,$(RECIPE)),,$(RECIPE)-)$(SRC)-$(TGT)
 RUN ?= runs/$(RUN_NAME)
-EXPORT ?= exports/$(RUN_NAME)
+EXPORT ?= exports/$(notdir $(RUN))
 AVG ?=
 BEAM ?=
 ALPHA ?=
@@ -104,11 +116,13 @@ train: venv
 	@if [ -f $(RUN)/model.keras ]; then \
 		echo "make train: $(RUN)/model.keras exists, so its training is done (delete it, or set RUN, to train again)"; \
 	else \
-		$(PY) -m training.train --config $(CONFIG) --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN); \
+		$(if $(TRAIN),$(PY) -m training.prepare --config $(CONFIG) $(TRAIN_PAIRS) $(if $(VALID),--valid-files $(VALID)) \
+			--source-lang $(SRC) --target-lang $(TGT) --out $(PREPARED) &&) \
+		$(PY) -m training.train --config $(CONFIG) --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN) \
+			$(if $(PREPARED),--prepared $(PREPARED)) $(if $(VALID),--valid-files $(VALID)); \
 	fi
 	$(PY) -m training.average_checkpoints --model-dir $(RUN) $(if $(AVG),--last $(AVG))
-	$(PY) -m training.evaluate --model-dir $(RUN) --model-file $(RUN)/averaged.keras --split test_2016_flickr \
-		$(SEARCH_FLAGS)
+	$(PY) -m training.evaluate --model-dir $(RUN) --model-file $(RUN)/averaged.keras $(TEST_FLAGS) $(SEARCH_FLAGS)
 	$(PY) -m export.export_model --model-dir $(RUN) --model-file $(RUN)/averaged.keras --export-dir $(EXPORT) \
 		$(SEARCH_FLAGS)
 

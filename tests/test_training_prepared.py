@@ -323,3 +323,63 @@ def test_kt_train_streams_a_prepared_corpus_on_two_replicas_with_its_validation_
     assert config["training"]["prepared"] == str(out)
     assert (model_dir / "tokenizer.model").read_bytes() == (out / "tokenizer.model").read_bytes()
     assert "val_loss" in (model_dir / "history.csv").read_text()
+
+
+def test_a_tfds_corpus_is_prepared_and_trained_on_with_its_validation_split(tmp_path):
+    """`tfds.testing.mock_data` runs TFDS' own reading code on generated examples: kt-prepare reads
+    wmt14_translate/de-en's train split, and kt-train validates on its validation split, as the manifest
+    records."""
+    import tensorflow_datasets as tfds
+
+    from training.config import resolve_config
+    from training.evaluate import main as evaluate
+    from training.fit import train
+
+    out = tmp_path / "wmt"
+    with tfds.testing.mock_data(num_examples=120):
+        manifest = prepare(build_parser().parse_args(
+            ["--out", str(out), "--tfds", "wmt14_translate/de-en", "--source-lang", "en", "--target-lang", "de",
+             "--vocab-size", "1000", "--shards", "2"]))
+        assert manifest["corpora"] == [{"name": "wmt14_translate/de-en (train)", "lines": 120, "pairs": 120,
+                                        "empty_pairs_skipped": 0}]
+        assert manifest["validation"]["tfds"] == "wmt14_translate/de-en"
+        summary = train(resolve_config(["--prepared", str(out), "--preset", "tiny", "--model-dir",
+                                        str(tmp_path / "m"), "--max-updates", "2", "--epochs", "1",
+                                        "--tokens-per-batch", "600", "--verbose", "0"]))
+        # kt-evaluate finds the test split of the corpus the model was prepared from.
+        assert evaluate(["--model-dir", str(tmp_path / "m"), "--max-examples", "4", "--beam-size", "1",
+                         "--no-progress"]) == 0
+    assert summary["optimizer_steps"] == 2
+    assert "val_loss" in (tmp_path / "m" / "history.csv").read_text()
+    assert len((tmp_path / "m" / "hyp.test.de").read_text().splitlines()) == 4
+
+
+def test_make_train_prepares_your_own_text_then_trains_scores_and_exports_it():
+    """`make train TRAIN=... VALID=... TEST=... RUN=...`: the commands it runs (make -n), in order."""
+    done = subprocess.run(["make", "-n", "train", "TRAIN=a.en a.de b.en.gz b.de.gz", "VALID=v.en v.de",
+                           "TEST=t.en t.de", "RUN=runs/mine"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.replace("\\\n", " ").split())
+    prepare_at = text.index("-m training.prepare --config configs/multi30k.json --train-files a.en a.de "
+                            "--train-files b.en.gz b.de.gz --valid-files v.en v.de --source-lang en --target-lang "
+                            "de --out runs/mine/prepared &&")
+    train_at = text.index("-m training.train --config configs/multi30k.json --source-lang en --target-lang de "
+                          "--model-dir runs/mine --prepared runs/mine/prepared --valid-files v.en v.de;")
+    evaluate_at = text.index("-m training.evaluate --model-dir runs/mine --model-file runs/mine/averaged.keras "
+                             "--source-file t.en --references t.de")
+    export_at = text.index("--export-dir exports/mine")
+    assert prepare_at < train_at < evaluate_at < export_at
+    multi30k = subprocess.run(["make", "-n", "train"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    assert "training.prepare" not in multi30k and "--split test_2016_flickr" in multi30k
+
+
+def test_kt_prepare_takes_the_vocabulary_settings_of_a_kt_train_config(tmp_path):
+    from training.prepare import parse_args
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"vocab_size": 5000, "lowercase": True, "seed": 9, "epochs": 3}))
+    args = parse_args(["--out", "o", "--config", str(config), "--train-files", "a", "b"])
+    assert (args.vocab_size, args.lowercase, args.seed, args.vocab_sample) == (5000, True, 9, 2_000_000)
+    assert parse_args(["--out", "o", "--config", str(config), "--vocab-size", "700"]).vocab_size == 700
+    config.write_text("{")
+    with pytest.raises(ConfigError, match="--config .*c.json"):
+        parse_args(["--out", "o", "--config", str(config)])

@@ -287,6 +287,11 @@ def train(cfg: dict, strategy=None) -> dict:
         if cfg.get("init_from") and Path(cfg["tokenizer"]).read_bytes() != corpus.tokenizer_file.read_bytes():
             raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
                               f"it with kt-prepare --tokenizer {cfg['tokenizer']}")
+        # config.json's dataset is where kt-evaluate finds the test set: a TFDS corpus's, or files it is given.
+        validation = corpus.manifest.get("validation") or {}
+        cfg = {**cfg, "dataset": validation.get("tfds", "files"),
+               "data_dir": cfg["data_dir"] or validation.get("data_dir"),
+               "tfds_data_dir": cfg["tfds_data_dir"] or validation.get("tfds_data_dir")}
         train_pairs = None
         proto, folding = get_tokenizer_proto({**cfg, "tokenizer": str(corpus.tokenizer_file)}, None, model_dir,
                                              is_chief)

@@ -301,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kt-prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the directory to prepare (kt-train --prepared DIR reads it)")
+    p.add_argument("--config", help="a kt-train JSON config: its vocab_size, vocab_sample, lowercase and seed are "
+                   "this command's defaults (the flags below override them)")
     p.add_argument("--train-files", nargs=2, action="append", metavar=("SOURCE", "TARGET"),
                    help="a parallel corpus: two line-aligned text files, plain or gzip (repeatable)")
     p.add_argument("--tfds", action="append", metavar="NAME[:SPLIT]",
@@ -329,10 +331,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# kt-train settings (training.config.DEFAULTS' keys) that are kt-prepare's too.
+CONFIG_KEYS = ("vocab_size", "vocab_sample", "lowercase", "seed")
+
+
+def parse_args(argv=None):
+    """kt-prepare's arguments: the flags, over --config's settings, over the defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        try:
+            settings = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--config {args.config}: {e}") from None
+        parser.set_defaults(**{k: settings[k] for k in CONFIG_KEYS if settings.get(k) is not None})
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
     try:
+        args = parse_args(argv)
         prepare(args)
     except (DataError, ConfigError, FileNotFoundError) as e:
         print(f"kt-prepare: error: {e}", file=sys.stderr)
