@@ -9,6 +9,7 @@ read only their own shards and take the same updates per epoch.
 
 import collections
 import gzip
+import itertools
 import json
 import os
 import re
@@ -142,6 +143,10 @@ def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
         assert 0.4 <= share <= 0.6, (e, share)
         orders.append([r[0] for r in _rows(epoch[:5])])
     assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
+    # A run resumed at update 40 starts on an order of its own, not on the first epoch's again.
+    resumed = stream_batches(corpus, list(range(len(corpus.shards))), max_length=128, tokens_per_replica=400,
+                             seed=7, start=40, pool_pairs=1000, epochs=1)
+    assert [r[0] for r in _rows(itertools.islice(resumed, 5))] not in orders
 
 
 def test_the_same_command_again_does_nothing_and_another_into_the_same_directory_is_refused(prepared, capsys):
@@ -152,6 +157,19 @@ def test_the_same_command_again_does_nothing_and_another_into_the_same_directory
     assert (directory / MANIFEST_FILENAME).stat().st_mtime_ns == before
     with pytest.raises(ConfigError, match="prepared by another command"):
         prepare(_prepare_args(directory, src_file, tgt_file, "--shards", "3"))
+
+
+def test_a_vocabulary_changed_at_the_same_path_is_another_command(prepared, tmp_path):
+    from keras_transformer.text import train_sentencepiece
+    directory, src, _, src_file, tgt_file = prepared
+    vocabulary = tmp_path / "v.model"
+    shutil.copy(directory / "tokenizer.model", vocabulary)
+    out = tmp_path / "out"
+    prepare(_prepare_args(out, src_file, tgt_file, "--tokenizer", str(vocabulary)))
+    assert (out / "tokenizer.model").read_bytes() == vocabulary.read_bytes()
+    vocabulary.write_bytes(train_sentencepiece(src[:500], 500))
+    with pytest.raises(ConfigError, match="prepared by another command"):
+        prepare(_prepare_args(out, src_file, tgt_file, "--tokenizer", str(vocabulary)))
 
 
 def test_a_prepare_killed_mid_shard_is_refused_then_prepared_again_whole(prepared, tmp_path, monkeypatch, capsys):

@@ -132,6 +132,15 @@ class ResumableBackup(BackupAndRestoreState):
         paths.metadata_path.write_text(json.dumps({"epoch": epoch, "batch": 0, "step": step}))
         os.replace(staging, backup_dir)
 
+    @classmethod
+    def saved_step(cls, backup_dir) -> int:
+        """The optimizer step of the newest backup in `backup_dir` (0 without a readable one): where a resumed run
+        starts, before the workers agree on it (`on_train_begin`)."""
+        try:
+            return int(json.loads(cls(backup_dir).metadata_path.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
     def save_backup(self):
         # Like Keras' own, but both files are written under temporary names and renamed into place.
         self.weights_path.parent.mkdir(parents=True, exist_ok=True)

@@ -326,6 +326,7 @@ def train(cfg: dict, strategy=None) -> dict:
     copies = 2 if cfg.get("r_drop") else 1
     if corpus is not None:
         stream = dict(max_length=cfg["max_length"], tokens_per_replica=plan["tokens_per_replica"], seed=cfg["seed"],
+                      start=ResumableBackup.saved_step(out_dir / "backup"),
                       pad_to_bucket_boundary=bool(cfg["jit_compile"]), copies=copies)
 
         def worker_batches(context=tf.distribute.InputContext()):

@@ -20,6 +20,7 @@ was complete (the manifest, written last and atomically, tells which).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -134,7 +135,7 @@ def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
 
 def _ids_array(pieces: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter(map(len, pieces), np.int32, len(pieces))
-    ids = np.fromiter((i for p in pieces for i in p), dtype, int(lengths.sum()))
+    ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype, int(lengths.sum()))
     return ids, lengths
 
 
@@ -226,7 +227,8 @@ def prepare(args) -> dict:
     request = {"corpora": [_corpus_request(c) for c in corpora], "source_lang": args.source_lang,
                "target_lang": args.target_lang, "shards": args.shards, "seed": args.seed,
                "check_alignment": args.check_alignment, "validation": _validation(args),
-               "vocabulary": ({"tokenizer": str(Path(args.tokenizer).resolve())} if args.tokenizer else
+               "vocabulary": ({"tokenizer": str(Path(args.tokenizer).resolve()),
+                               "sha256": file_sha256(args.tokenizer)} if args.tokenizer else
                               {"vocab_size": args.vocab_size, "vocab_sample": args.vocab_sample,
                                "lowercase": args.lowercase})}
     manifest_path = out / MANIFEST_FILENAME

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,7 @@ class PreparedCorpus:
 
     directory: Path
     manifest: dict
+    verified: set = field(default_factory=set)  # shards whose SHA-256 this process checked
 
     @property
     def shards(self) -> list[dict]:
@@ -86,11 +87,14 @@ class PreparedCorpus:
         return sum(s["pairs"] for s in self.shards)
 
     def load_shard(self, index: int) -> dict:
-        """Shard `index`'s arrays, after checking its SHA-256 and counts against the manifest."""
+        """Shard `index`'s arrays, after checking its counts, and the first time its SHA-256, against the
+        manifest."""
         entry = self.shards[index]
         path = self.directory / entry["file"]
-        digest = file_sha256(path) if path.is_file() else None
+        digest = entry["sha256"] if index in self.verified else file_sha256(path) if path.is_file() else None
+        self.verified.add(index)
         if digest != entry["sha256"]:
+            self.verified.discard(index)
             raise DataError(f"{path} does not match {self.directory / MANIFEST_FILENAME} (its SHA-256 differs"
                             f"{'; the file is missing' if digest is None else ''}): the shard was changed or "
                             f"damaged after kt-prepare wrote it. Run kt-prepare again into a new directory.")
@@ -235,14 +239,15 @@ def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_length: int, toke
 
 
 def stream_batches(corpus: PreparedCorpus, shards: list[int], *, max_length: int, tokens_per_replica: int,
-                   seed: int, pad_to_bucket_boundary: bool = False, copies: int = 1, pool_pairs: int = POOL_PAIRS,
-                   epochs: int | None = None):
+                   seed: int, start: int = 0, pad_to_bucket_boundary: bool = False, copies: int = 1,
+                   pool_pairs: int = POOL_PAIRS, epochs: int | None = None):
     """Yields `((source, target_in), target_out)` numpy batches from `shards`, epoch after epoch (or `epochs`),
-    each epoch in a new order drawn from `seed`."""
+    each epoch in a new order drawn from `seed` and `start` (kt-train's: the update a run resumes from, so
+    that a resumed run does not see its first epochs' order again)."""
     _, _, widths = bucket_plan(max_length, tokens_per_replica, pad_to_bucket_boundary)
     epoch = 0
     while epochs is None or epoch < epochs:
-        rng = np.random.default_rng([seed, epoch])
+        rng = np.random.default_rng([seed, start, epoch])
         order = [shards[i] for i in rng.permutation(len(shards))]
         while order:
             loaded, pairs = [], 0
