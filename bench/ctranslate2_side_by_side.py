@@ -114,12 +114,8 @@ from export.native_logs import import_tensorflow_quietly  # noqa: E402
 
 tf = import_tensorflow_quietly()
 
-import ctranslate2  # noqa: E402
 import numpy as np  # noqa: E402
 import sentencepiece as spm  # noqa: E402
-from ctranslate2.converters import Converter  # noqa: E402
-from ctranslate2.converters.utils import fuse_linear  # noqa: E402
-from ctranslate2.specs import common_spec, transformer_spec  # noqa: E402
 
 from bench.served_speed import cpu_line  # noqa: E402
 from bench.translate_worker import REPLY_PREFIX, parse_ct2_setting, parse_layout  # noqa: E402
@@ -131,6 +127,9 @@ from keras_transformer.embedding import positional_encoding  # noqa: E402
 from keras_transformer.residual import LAYER_NORM_EPSILON  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, read_lines  # noqa: E402
 from export.tokenizer import encode_source
+
+# ctranslate2 is imported where it is used, so that `--help` runs in the project's virtualenv, which does not have
+# it (tests/test_bench_scripts.py runs every bench script's `--help` there).
 
 # Written next to the CTranslate2 model: what `compare` needs to know of the model it came from.
 SIDECAR_FILENAME = "keras_transformer.json"
@@ -157,6 +156,8 @@ def linear(kernel, bias, input_axes=1):
     CTranslate2 weights are [out, in]; Dense kernels are [in, out], an attention's Q/K/V kernels
     [in, heads, head_dim] and its output kernel [heads, head_dim, out] (heads-major on both sides).
     """
+    from ctranslate2.specs import common_spec
+
     kernel = numpy32(kernel)
     spec = common_spec.LinearSpec()
     spec.weight = np.ascontiguousarray(kernel.reshape(int(np.prod(kernel.shape[:input_axes])), -1).T)
@@ -170,6 +171,8 @@ def set_layer_norm(spec, norm):
 
 def set_attention(spec, attention, norm, self_attention):
     """Our MultiHeadAttention + the LayerNorm of its residual block -> a CTranslate2 attention spec."""
+    from ctranslate2.converters.utils import fuse_linear
+
     q, k, v = (linear(dense.kernel, dense.bias) for dense in
                (attention._query_dense, attention._key_dense, attention._value_dense))
     if self_attention:
@@ -196,6 +199,8 @@ def set_embeddings(embeddings_spec, positions_spec, embedding, num_positions):
 
 def transformer_spec_of(model, pieces, num_positions):
     """A float32-ready `TransformerSpec` holding the Keras Transformer's weights."""
+    from ctranslate2.specs import transformer_spec
+
     if model.learned_positions:
         # Our decoding stops outputs at the table's end; CTranslate2 would fail there instead.
         raise ValueError("A model with learned positions is not converted (sinusoids only).")
@@ -235,18 +240,19 @@ def transformer_spec_of(model, pieces, num_positions):
     return spec
 
 
-class SpecConverter(Converter):
-    """CTranslate2's own conversion steps (validate, alias shared weights, quantize, save) for a built spec."""
-
-    def __init__(self, spec):
-        self._spec = spec
-
-    def _load(self):
-        return self._spec
-
-
 def convert(model, tokenizer_file, config, output_dir, force=False) -> Path:
     """Writes the float32 CTranslate2 model of `model` to `output_dir`, with the tokenizer and the sidecar."""
+    from ctranslate2.converters import Converter
+
+    class SpecConverter(Converter):
+        """CTranslate2's own conversion steps (validate, alias shared weights, quantize, save) for a built spec."""
+
+        def __init__(self, spec):
+            self._spec = spec
+
+        def _load(self):
+            return self._spec
+
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
     pieces = sp.id_to_piece(list(range(sp.get_piece_size())))  # in id order: CTranslate2's ids are ours
     # Positions read: a source of max_length tokens; outputs of up to max_length + 50 tokens.
@@ -268,6 +274,8 @@ def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length,
 
     Returns (max |difference|, mean |difference|, number of tokens, sentences whose tokens differ, pairs skipped).
     """
+    import ctranslate2
+
     sp = spm.SentencePieceProcessor(model_file=str(Path(ct2_dir) / TOKENIZER_FILENAME))
     target_pieces = sp.encode(targets, out_type=str)
     fits = [len(pieces) + 1 <= max_source_length for pieces in target_pieces]

@@ -8,6 +8,11 @@
 # Writes RUN/avgN.keras, RUN/bestN.keras and RUN/val.* hypothesis files (with .scores.json) and prints, per
 # setting, the cased sacreBLEU and the BLEU of the Multi30k protocol (kt-evaluate prints both).
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    echo "usage: bash bench/tune_on_val.sh [RUN]     # RUN: a kt-train model directory, runs/en-de if not given"
+    echo "Chooses a run's decoding settings on val: the checkpoints averaged, then beam size and length penalty alpha."
+    exit 0
+fi
 RUN=${1:-runs/en-de}
 PY=${PY:-.venv/bin/python}
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
