@@ -19,8 +19,8 @@ batches of `--batch-size` sentences in file order. A text signature's output is 
 tokens detokenized by the same tokenizer (the text signatures give no tokens); `translate_ids` gives tokens.
 
 Compared, sentence by sentence, for each of `--options` (default: all):
-- greedy: the engine's own greedy search (`export.search`, in process, on the same float32 weights) against
-  `kt.greedy_decode`, token for token; and the SavedModel's `greedy` text;
+- greedy: the engine's own greedy search (`export.search.engine_greedy_decode`, in process, on the same float32
+  weights) against `kt.greedy_decode`, token for token; and the SavedModel's `greedy` text;
 - beam: the SavedModel's `translate_ids` tokens against `kt.beam_search`; and its `serving_default` text;
 - n_best: the SavedModel's `n_best` texts against `kt.beam_search(..., n_best=beam_size)`, a sentence agreeing
   when all its n entries are equal;
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         "no_repeat_beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam, alpha,
                                                                no_repeat_ngram_size=ngram)),
     }
-    engine_greedy = tf.function(lambda s: search.greedy_decode(model, s, START_ID, END_ID, alpha=alpha))
+    engine_greedy = tf.function(lambda s: search.engine_greedy_decode(model, s, START_ID, END_ID, alpha=alpha))
 
     def texts(tokens):
         """The library's tokens `[batch, length]` detokenized as the export detokenizes its own."""

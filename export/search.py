@@ -1,5 +1,12 @@
 """The serving engine's loops: the library's search strategies run as `tf.while_loop`s over
-`export.step.decode_step`, and `parallel_decode`, a batch in N loops at once.
+`export.step.decode_step` (`engine_greedy_decode`, `engine_beam_search`), and `parallel_decode`, a batch in
+N loops at once.
+
+Not the library's `keras_transformer.greedy_decode` / `beam_search`, whose tokens these decode: they take
+the library's arguments in the library's order plus keyword-only engine options (`use_cache`,
+`fixed_shapes`, and `sampling`, a `Sampling` tuple, where the library has `sample_decode`), and return
+tokens trimmed to the longest output, where the library's have the loop's fixed width. The two side by
+side: docs/library.md, "The two searches: the library's and the serving engine's".
 
 *What* a search computes is the library's (`keras_transformer.strategies`: `Greedy` and `Beam`
 choose each token and keep the beam's bookkeeping), so in float32 the engine decodes the library's
@@ -56,15 +63,15 @@ GRAPH_OPS = GraphSearchOps()
 # ------------------------------------------------------------------ greedy decoding
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, use_cache=True, sampling=None,
-                  fixed_shapes=False, prefix_ids=None, no_repeat_ngram_size=0):
-    """`keras_transformer.greedy_decode` (the same tokens and scores) on the engine's step and loop.
+def engine_greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, prefix_ids=None,
+                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None):
+    """`keras_transformer.greedy_decode`'s tokens and scores on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Greedy`) chooses each token; rows that end
-    leave the batch (outside XLA). Arguments as the library's, plus `use_cache=False`: a full pass every
-    step (same tokens, slower; the reference of `--no-cache` exports), `sampling`: a
-    `keras_transformer.strategies.Sampling` of `[batch]` tensors for `keras_transformer.sample_decode`
-    (the same draws), and `fixed_shapes`: see `check_shapes`.
+    leave the batch (outside XLA). The library's arguments in its order, plus, keyword-only,
+    `use_cache=False`: a full pass every step (same tokens, slower; the reference of `--no-cache`
+    exports), `fixed_shapes`: see `check_shapes`, and `sampling`: a `keras_transformer.strategies.Sampling`
+    of `[batch]` tensors, for `keras_transformer.sample_decode`'s draws (no `prefix_ids` with it).
 
     Returns:
         tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at the limit), padded with 0
@@ -86,7 +93,7 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     next_logits = _next_logits_fn(model, start_id, use_cache, fixed_shapes)
 
     def step(state, memory):
-        logits, cache = next_logits(state.index, state.last, state.tokens, state.cache, *memory)
+        logits, cache = next_logits(state.last, state.index, state.tokens, state.cache, *memory)
         return strategy.choose(state._replace(cache=cache), logits, state.index)._replace(index=state.index + 1)
 
     tokens, log_prob, lengths = _run(strategy, step, state, (encoder_output, source_mask), steps, fixed_shapes,
@@ -97,9 +104,9 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
 # ------------------------------------------------------------------ beam search
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, use_cache=True,
-                n_best=None, prefix_ids=None, fixed_shapes=False, no_repeat_ngram_size=0):
-    """`keras_transformer.beam_search` (the same hypotheses, scores and early stop) on the engine's step and loop.
+def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None,
+                       prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False):
+    """`keras_transformer.beam_search`'s hypotheses, scores and early stop on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Beam`) keeps the hypotheses; each sentence's k
     beams and its greedy hypothesis are k + 1 rows of the engine's loop, and a sentence whose rows can
@@ -112,12 +119,12 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: length-penalty exponent (0.6 in the paper).
         max_length: most output tokens; by default source length + 50.
-        use_cache: False recomputes the whole prefix every step (same result, slower; the reference
-            of `--no-cache` exports).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
         prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.
-        fixed_shapes: see `check_shapes`.
         no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram, as the library's.
+        use_cache: keyword-only; False recomputes the whole prefix every step (same result, slower; the
+            reference of `--no-cache` exports).
+        fixed_shapes: keyword-only; see `check_shapes`.
 
     Returns:
         tokens: int32 `[batch, length]`, the best finished hypothesis, padded with 0 after `end_id`,
@@ -145,7 +152,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
 
     def step(state, memory):
         outputs = strategy.outputs(state) if not use_cache else None
-        logits, cache = next_logits(state.index, tf.reshape(state.last, [-1]), outputs, state.cache, *memory)
+        logits, cache = next_logits(tf.reshape(state.last, [-1]), state.index, outputs, state.cache, *memory)
         state, source_row = strategy.choose(state._replace(cache=cache), logits)
         return state._replace(index=state.index + 1, cache=reorder_rows(cache, source_row, GRAPH_OPS))
 
@@ -246,7 +253,7 @@ def _prepare(model, source_ids, max_length, fixed_shapes):
     """The library's `prepare` (encoder output, padding mask, per-sentence output limits `[batch]`), and the
     loop's most steps: with `fixed_shapes`, the library's bound from the source's padded length, which XLA
     knows when it compiles for this input shape (buffers sized by the batch's largest limit, read from the
-    data, made the compiled loop much slower: docs/benchmarks-log.md, "With small batches under XLA"); otherwise
+    data, made the compiled loop much slower: docs/design.md, "Small batches under XLA, opt-in"); otherwise
     the batch's largest limit."""
     if not model.built:  # a model never called: decoding may be the first thing it does
         model.build()
@@ -256,24 +263,25 @@ def _prepare(model, source_ids, max_length, fixed_shapes):
 
 
 def _next_logits_fn(model, start_id, use_cache, fixed_shapes):
-    """`(cache_index, last [rows], outputs [rows, steps], cache, encoder_output, source_mask)
-    -> (logits [rows, vocab], cache)`.
+    """`(last [rows], index, outputs [rows, steps], cache, encoder_output, source_mask)
+    -> (logits [rows, vocab], cache)`: the library's `keras_transformer.decoding.NextLogits`, in its
+    argument order, plus the memory of the sentences still in the loop (which shrinks as they leave).
 
-    With the cache, one decoder step for the token at position `cache_index`.
+    With the cache, one decoder step for the token at position `index`.
     Without it, the whole prefix again (start id + outputs so far), as
     decoding is defined: the slow reference the cache must equal.
     """
     if use_cache:
-        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
-            return decode_step(model, last, cache_index, source_mask, cache, fixed_shapes)
+        def next_logits(last, index, outputs, cache, encoder_output, source_mask):
+            return decode_step(model, last, index, source_mask, cache, fixed_shapes)
     else:
-        def next_logits(cache_index, last, outputs, cache, encoder_output, source_mask):
+        def next_logits(last, index, outputs, cache, encoder_output, source_mask):
             start = tf.fill([tf.shape(outputs)[0], 1], tf.cast(start_id, tf.int32))
-            prefix = tf.concat([start, outputs[:, :cache_index]], axis=1)
+            prefix = tf.concat([start, outputs[:, :index]], axis=1)
             # The sentence's memory once per row (beam search keeps one per sentence).
             rows = tf.shape(outputs)[0] // tf.shape(encoder_output)[0]
             encoder_output, source_mask = (tf.repeat(x, rows, axis=0) for x in (encoder_output, source_mask))
-            return uncached_logits(model, prefix, encoder_output, source_mask)[:, cache_index], cache
+            return uncached_logits(model, prefix, encoder_output, source_mask)[:, index], cache
     return next_logits
 
 
@@ -300,8 +308,7 @@ def _top_k(values, n):
     [320, 8000] (beam 4 at batch 64, Multi30k's vocabulary) it is a costly
     part of a step. The n largest lie in the n blocks with the largest maxima,
     so top_k runs over the block maxima, then over those n blocks only:
-    several times faster, and exact (docs/benchmarks-log.md, "Beam search without
-    [hypotheses, vocab] passes").
+    several times faster, and exact (docs/design.md, "The top-k by blocks").
     """
     block = _block_length(values.shape[-1], n)
     if block is None:
@@ -350,9 +357,9 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
 
     Args:
         search: `(source_ids [n, source_len], *row_inputs) -> (tokens [n, length], scores [n])`,
-            e.g. `lambda ids: greedy_decode(model, ids, start_id, end_id)`;
+            e.g. `lambda ids: engine_greedy_decode(model, ids, start_id, end_id)`;
             it must decode a sentence the same in any batch, as
-            `greedy_decode` and `beam_search` do.
+            `engine_greedy_decode` and `engine_beam_search` do.
         source_ids: int `[batch, source_len]`, padded with 0.
         num_loops: how many loops (1: `search(source_ids, *row_inputs)` itself).
         row_inputs: more per-sentence tensors `[batch, ...]` (a target prefix,
@@ -372,8 +379,8 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
     on those threads, 2 loops decoded faster than one loop, greedy and beam 4;
     on TensorFlow's default threads (2 of each) they gained
     little: each loop's matmuls then wait for intra-op
-    threads the other loop holds (docs/benchmarks-log.md, "Two decoding loops per
-    batch"). Under XLA the whole search is one compiled program: pass 1.
+    threads the other loop holds (docs/design.md, "Parallel decoding
+    loops"). Under XLA the whole search is one compiled program: pass 1.
     """
     if num_loops < 1:
         raise ValueError(f"num_loops must be >= 1, got {num_loops}")

@@ -52,7 +52,7 @@ compiled by XLA (`tf.function(jit_compile=True)`) in float32, and larger
 batches with the graph decoder. A small batch's step is a few MFLOP spread
 over some 300 ops, so it costs the executor's dispatch of each op; XLA runs
 the whole loop as one compiled program (much faster than the graph at
-batch 1; docs/benchmarks-log.md, "With small batches under XLA").
+batch 1; docs/design.md, "Small batches under XLA, opt-in").
 At batch 64 XLA is no faster (greedy) or slower (beam search: every row stays
 in its fixed-shape loop until the last sentence ends), hence the threshold.
 XLA compiles once per input shape, so the source is padded to a multiple of
@@ -104,7 +104,7 @@ import keras
 import tensorflow as tf
 
 from export.engine_weights import engine_model
-from export.search import beam_search, greedy_decode, parallel_decode
+from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
 from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
 import keras_transformer as kt
 from keras_transformer.strategies import Sampling, check_options
@@ -226,9 +226,9 @@ def decode_policy(precision="auto", flags=None) -> tuple[str | None, str]:
 
     "auto": float32 on every CPU. bfloat16 decodes faster where the CPU computes it natively (`flags`:
     this machine's by default), but there a sentence's score, and now and then its translation, depends on
-    the other sentences of its batch (a batch of another size rounds differently; issue 27), so it is only
-    used when asked for ("bfloat16"). "model": the model's own policy (e.g. mixed_bfloat16 if it was
-    trained so).
+    the other sentences of its batch (a batch of another size rounds differently; docs/design.md, "The engine
+    decodes in float32 by default"), so it is only used when asked for ("bfloat16"). "model": the model's own
+    policy (e.g. mixed_bfloat16 if it was trained so).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -418,14 +418,14 @@ class Translator(tf.Module):
     def _search(self, source_ids, model=None, *, greedy=False, n_best=None, fixed_shapes=False, **row_options):
         """Beam search of `source_ids` `[batch, len]` with the export's beam size, alpha and cache (`greedy`:
         greedy decoding), in `parallel_loops` loops (one loop with `fixed_shapes`, the XLA program's);
-        `n_best` as `beam_search`'s. `row_options`:
+        `n_best` as `engine_beam_search`'s. `row_options`:
         `prefix_ids` `[batch, prefix_len]` or `sampling` (a `Sampling` of `[batch]` tensors), split into
         the loops with their rows. Returns tokens and scores as `parallel_decode`."""
         model = self._model() if model is None else model
         if greedy:
-            search = functools.partial(greedy_decode, model, start_id=START_ID, end_id=END_ID)
+            search = functools.partial(engine_greedy_decode, model, start_id=START_ID, end_id=END_ID)
         else:
-            search = functools.partial(beam_search, model, start_id=START_ID, end_id=END_ID,
+            search = functools.partial(engine_beam_search, model, start_id=START_ID, end_id=END_ID,
                                        beam_size=self.beam_size, n_best=n_best)
 
         def decode(ids, *rows):

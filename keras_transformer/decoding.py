@@ -9,7 +9,10 @@ one sampling loop. Every shape is fixed before the loop: the self-attention
 cache is a buffer of the most output positions, written in place, and every
 row stays in the batch until the loop ends. (The TensorFlow serving engine in
 `export/` runs the same strategies in its own loop: a growing cache, rows that
-leave the batch.)
+leave the batch. Its searches are named apart, `export.search.engine_greedy_decode`
+and `engine_beam_search`: these functions' arguments plus engine options, and
+outputs trimmed to the longest; both side by side in docs/library.md, "The two
+searches: the library's and the serving engine's".)
 
 Padding masks come from the source ids (pad id 0), never from Keras masks.
 

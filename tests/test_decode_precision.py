@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import keras_transformer as kt
 from export.engine_weights import assign_by_path, engine_model
-from export.search import beam_search, greedy_decode
+from export.search import engine_beam_search, engine_greedy_decode
 from export.translator import MAX_AUTO_LOOPS, XLA_DTYPE, decode_loops, decode_policy
 
 
@@ -18,7 +18,8 @@ def _numpy(weights):
 
 
 def test_auto_decodes_in_float32_on_every_cpu_and_bfloat16_only_when_asked():
-    """bfloat16 is not batch-invariant where it is native (issue 27), so the default never picks it."""
+    """bfloat16 is not batch-invariant where it is native (docs/design.md, "The engine decodes in float32 by
+    default"), so the default never picks it."""
     assert decode_policy("auto", flags={"avx2", "fma"})[0] == "float32"
     assert decode_policy("auto", flags={"avx2", "avx512f"})[0] == "float32"
     policy, reason = decode_policy("auto", flags={"avx2", "avx512f", "avx512_bf16"})
@@ -71,8 +72,8 @@ def test_the_xla_copy_computes_the_models_logits_and_decodes_the_same(tied):
     assert (reference.output_projection is None) == tied
     np.testing.assert_allclose(keras.ops.convert_to_numpy(copy((source, target))),
                                keras.ops.convert_to_numpy(reference((source, target))), rtol=1e-5, atol=1e-5)
-    for search in (lambda m, s: greedy_decode(m, s, 2, 3, fixed_shapes=True),
-                   lambda m, s: beam_search(m, s, 2, 3, beam_size=3, fixed_shapes=True)):
+    for search in (lambda m, s: engine_greedy_decode(m, s, 2, 3, fixed_shapes=True),
+                   lambda m, s: engine_beam_search(m, s, 2, 3, beam_size=3, fixed_shapes=True)):
         ours = tf.function(lambda s: search(copy, s), jit_compile=True)(source)
         theirs = tf.function(lambda s: search(reference, s), jit_compile=True)(source)
         np.testing.assert_array_equal(ours[0].numpy(), theirs[0].numpy())

@@ -3,6 +3,7 @@ model's full pass, its searches decode what the library's searches decode, and i
 grows, sentences that leave the batch, a top-k by blocks, loops in parallel, a fixed-shape loop under XLA)
 change no output."""
 
+import inspect
 import re
 
 import numpy as np
@@ -15,7 +16,7 @@ from conftest import (a_sentence_and_a_batch_holding_it, assert_length_penalised
                       random_ids, random_model, sources_of_2_and_6_tokens, trimmed, uncached_greedy)
 from export import search, step
 from export.engine_weights import engine_model
-from export.search import GRAPH_OPS, _block_length, _top_k, beam_search, greedy_decode
+from export.search import GRAPH_OPS, _block_length, _top_k, engine_beam_search, engine_greedy_decode
 from export.translator import load_model_dir
 from keras_transformer.attention import AttentionOps
 from keras_transformer.strategies import most_likely_token, next_tokens
@@ -24,21 +25,46 @@ from keras_transformer.text import START_ID as START
 
 
 def _greedy(model, **kwargs):
-    return tf.function(lambda s: greedy_decode(model, s, START, END, **kwargs))
+    return tf.function(lambda s: engine_greedy_decode(model, s, START, END, **kwargs))
 
 
 def _beam(model, beam_size, **kwargs):
-    return tf.function(lambda s: beam_search(model, s, START, END, beam_size=beam_size, **kwargs))
+    return tf.function(lambda s: engine_beam_search(model, s, START, END, beam_size=beam_size, **kwargs))
 
 
 # ------------------------------------------------------------------ the contract: the library's searches
 
 
+def test_one_contract_per_search_name():
+    """docs/library.md, "The two searches": a name has one meaning. A public function of `export.search` named as
+    a public one of `keras_transformer.decoding` or `keras_transformer` is that very function (re-exported:
+    `prepare`, `output_bound`, ...); the engine's own searches are named apart, take the library's arguments in
+    its order (names and defaults) and their own options keyword-only, and call the decoder step with the
+    library's `NextLogits` order, then the memory."""
+    from keras_transformer import decoding
+
+    library = {name: getattr(decoding, name) for name in decoding.__all__}
+    library.update((name, getattr(kt, name)) for name in dir(kt) if not name.startswith("_"))
+    shared = sorted(name for name, value in vars(search).items()
+                    if not name.startswith("_") and callable(value) and name in library)
+    assert [name for name in shared if vars(search)[name] is not library[name]] == []
+    for engine, library_search in ((engine_greedy_decode, kt.greedy_decode), (engine_beam_search, kt.beam_search)):
+        engine_parameters = list(inspect.signature(engine).parameters.values())
+        library_parameters = list(inspect.signature(library_search).parameters.values())
+        assert engine_parameters[:len(library_parameters)] == library_parameters, engine.__name__
+        assert {p.kind for p in engine_parameters[len(library_parameters):]} == {inspect.Parameter.KEYWORD_ONLY}
+    for use_cache in (True, False):
+        next_logits = search._next_logits_fn(None, START, use_cache, fixed_shapes=False)
+        assert list(inspect.signature(next_logits).parameters) == [
+            "last", "index", "outputs", "cache", "encoder_output", "source_mask"]
+
+
 def _assert_engine_decodes_what_the_library_decodes(model, source):
     """Greedy and beam 4, each with the library's defaults: the same tokens, the same scores to float precision."""
     searches = {
-        "greedy": (lambda s: kt.greedy_decode(model, s, START, END), lambda s: greedy_decode(model, s, START, END)),
-        "beam 4": (lambda s: kt.beam_search(model, s, START, END), lambda s: beam_search(model, s, START, END)),
+        "greedy": (lambda s: kt.greedy_decode(model, s, START, END),
+                   lambda s: engine_greedy_decode(model, s, START, END)),
+        "beam 4": (lambda s: kt.beam_search(model, s, START, END), lambda s: engine_beam_search(model, s, START, END)),
     }
     for name, (library, engine) in searches.items():
         library_tokens, library_scores = tf.function(library)(source)
@@ -68,7 +94,7 @@ def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
     library_tokens = np.asarray(library_tokens)
     for loops in (1, 2):
         tokens, scores = tf.function(lambda s: search.parallel_decode(
-            lambda ids: beam_search(copy_model, ids, START, END, beam_size=4, n_best=n_best), s, loops))(source)
+            lambda ids: engine_beam_search(copy_model, ids, START, END, beam_size=4, n_best=n_best), s, loops))(source)
         tokens = np.asarray(tokens)
         assert tokens.shape[:2] == (32, n_best)
         np.testing.assert_array_equal(tokens, library_tokens[..., :tokens.shape[-1]])
@@ -94,8 +120,8 @@ def test_the_engines_options_are_the_librarys(copy_model, search_name, options):
     options = dict(options)
     with_prefix, n = options.pop("prefix", False), options.get("no_repeat_ngram_size", 0)
     beam_size = {"beam_size": 4} if search_name == "beam" else {}
-    library_search, engine_search = {"beam": (kt.beam_search, beam_search),
-                                     "greedy": (kt.greedy_decode, greedy_decode)}[search_name]
+    library_search, engine_search = {"beam": (kt.beam_search, engine_beam_search),
+                                     "greedy": (kt.greedy_decode, engine_greedy_decode)}[search_name]
     library_tokens, library_scores = tf.function(lambda s, p: library_search(
         copy_model, s, START, END, prefix_ids=p if with_prefix else None, **beam_size, **options))(source, prefix)
     if n:
@@ -125,7 +151,8 @@ def test_the_engines_samples_are_the_librarys(copy_model):
         copy_model, s, START, END, seed=seed, temperature=temperature, top_k=top_k))(source, *settings)
     for loops in (1, 2):
         tokens, scores = tf.function(lambda s, *settings: search.parallel_decode(
-            lambda ids, *row_settings: greedy_decode(copy_model, ids, START, END, sampling=Sampling(*row_settings)),
+            lambda ids, *row_settings: engine_greedy_decode(copy_model, ids, START, END,
+                                                            sampling=Sampling(*row_settings)),
             s, loops, *settings))(source, *settings)
         np.testing.assert_array_equal(trimmed(tokens), trimmed(library_tokens))
         np.testing.assert_allclose(np.asarray(scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
@@ -393,9 +420,9 @@ def test_decoding_under_xla_equals_decoding_without(copy_model, beam_size):
     # Inside jit_compile the cache is written with XLA's dynamic_update_slice, outside with a core op.
     source = copy_sources(9, 16)
     if beam_size is None:
-        decode = lambda s, fixed: greedy_decode(copy_model, s, START, END, fixed_shapes=fixed)  # noqa: E731
+        decode = lambda s, fixed: engine_greedy_decode(copy_model, s, START, END, fixed_shapes=fixed)  # noqa: E731
     else:
-        decode = lambda s, fixed: beam_search(copy_model, s, START, END, beam_size=beam_size,  # noqa: E731
+        decode = lambda s, fixed: engine_beam_search(copy_model, s, START, END, beam_size=beam_size,  # noqa: E731
                                               fixed_shapes=fixed)
     tokens, scores = tf.function(lambda s: decode(s, False))(source)
     xla_tokens, xla_scores = tf.function(lambda s: decode(s, True), jit_compile=True)(source)
@@ -411,10 +438,10 @@ def test_the_engine_names_an_attention_it_does_not_compute():
     model = random_model(0)
     model.quantize("int8")
     with pytest.raises(ValueError, match=r"plain multi-head attention only.*'transformer\w*/decoder/layer_0/self_attention'"):
-        greedy_decode(model, random_ids(np.random.default_rng(0), 1, 4, high=24), START, END)
+        engine_greedy_decode(model, random_ids(np.random.default_rng(0), 1, 4, high=24), START, END)
 
 
-@pytest.mark.parametrize("search", [greedy_decode, beam_search])
+@pytest.mark.parametrize("search", [engine_greedy_decode, engine_beam_search])
 def test_growing_shapes_under_xla_are_one_clear_error(copy_model, search):
     """Fixed or growing shapes is the caller's explicit choice (the export decides it where it decides XLA);
     growing shapes traced under jit_compile would fail inside XLA's compiler: this says what to pass."""
@@ -430,7 +457,8 @@ def test_beam_search_under_xla_sorts_no_vocabulary_row(vocab):
     # at batch 64, when the row was a sentence's beam * vocab candidates).
     model = random_model(0, vocab)
     source = random_ids(np.random.default_rng(0), 4, 6, high=24)
-    decode = tf.function(lambda s: beam_search(model, s, START, END, beam_size=3, fixed_shapes=True), jit_compile=True)
+    decode = tf.function(lambda s: engine_beam_search(model, s, START, END, beam_size=3, fixed_shapes=True),
+                         jit_compile=True)
     hlo = decode.experimental_get_compiler_ir(source)(stage="optimized_hlo")
     sorts = [line for line in hlo.splitlines() if " sort(" in line]
     shapes = [[int(d) for d in shape.split(",")] for line in sorts for shape in re.findall(r"\[([\d,]+)\]", line)]
@@ -508,9 +536,9 @@ def test_parallel_loops_decode_what_one_loop_decodes(copy_model, decode):
     """The loops are independent calls of one traced search, each running its own `tf.while_loop`, and the
     rows come back in place."""
     if decode == "greedy":
-        run = lambda s: greedy_decode(copy_model, s, START, END)  # noqa: E731
+        run = lambda s: engine_greedy_decode(copy_model, s, START, END)  # noqa: E731
     else:
-        run = lambda s: beam_search(copy_model, s, START, END, beam_size=3)  # noqa: E731
+        run = lambda s: engine_beam_search(copy_model, s, START, END, beam_size=3)  # noqa: E731
     spec = [tf.TensorSpec([None, None], tf.int32)]
     one_loop = tf.function(run, input_signature=spec)
     sources = copy_sources(11, 7)
@@ -548,10 +576,10 @@ def test_finished_sentences_leave_the_batch(decode, monkeypatch):
     monkeypatch.setattr(search, "decode_step", counting_decode_step)
     source = sources_of_2_and_6_tokens()
     if decode == "greedy":
-        tokens, _ = greedy_decode(model, source, START, END)  # eagerly: the loop runs in Python
+        tokens, _ = engine_greedy_decode(model, source, START, END)  # eagerly: the loop runs in Python
         rows = 1
     else:
-        tokens, _ = beam_search(model, source, START, END, beam_size=2)
+        tokens, _ = engine_beam_search(model, source, START, END, beam_size=2)
         rows = 3
     assert rows_per_step == [2 * rows] * 52 + [rows] * 4
     assert (tokens.numpy()[0, 52:] == 0).all() and tokens.shape[1] == 56
@@ -560,7 +588,7 @@ def test_finished_sentences_leave_the_batch(decode, monkeypatch):
 def test_default_limit_is_source_length_plus_50():
     model = never_ending_model()
     source = sources_of_2_and_6_tokens()
-    for decode in (greedy_decode, beam_search):
+    for decode in (engine_greedy_decode, engine_beam_search):
         tokens = tf.function(lambda s: decode(model, s, START, END))(source)[0].numpy()
         assert list((tokens != 0).sum(axis=1)) == [2 + 50, 6 + 50]
         assert tokens[0, 51] == END and tokens[1, 55] == END
@@ -571,25 +599,25 @@ def test_learned_positions_cap_the_output_at_the_position_table():
     outside XLA and under it (where the bound comes from the padded source length)."""
     model = never_ending_model(learned_positions=True, max_length=12)
     source = sources_of_2_and_6_tokens()
-    for decode in (greedy_decode, beam_search):
+    for decode in (engine_greedy_decode, engine_beam_search):
         for jit_compile in (False, True):
             tokens = tf.function(lambda s: decode(model, s, START, END, fixed_shapes=jit_compile),
                                  jit_compile=jit_compile)(source)[0].numpy()
             assert list((tokens != 0).sum(axis=1)) == [12, 12]
             assert (tokens[:, 11] == END).all()
     # An explicit limit past the table is capped too; one within it is kept.
-    assert greedy_decode(model, source, START, END, max_length=30)[0].shape == (2, 12)
-    assert greedy_decode(model, source, START, END, max_length=5)[0].shape == (2, 5)
+    assert engine_greedy_decode(model, source, START, END, max_length=30)[0].shape == (2, 12)
+    assert engine_greedy_decode(model, source, START, END, max_length=5)[0].shape == (2, 5)
 
 
 def test_empty_batch_bad_rank_and_a_model_never_called():
     model = random_model(9)
-    tokens, scores = greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
+    tokens, scores = engine_greedy_decode(model, np.zeros((0, 4), "int32"), START, END)
     assert tokens.shape[0] == 0 and scores.shape == (0,)
-    tokens, scores = beam_search(model, np.zeros((0, 4), "int32"), START, END)
+    tokens, scores = engine_beam_search(model, np.zeros((0, 4), "int32"), START, END)
     assert tokens.shape[0] == 0 and scores.shape == (0,)
     with pytest.raises(ValueError, match=r"source_ids of shape \[batch, source_len\]"):
-        greedy_decode(model, np.zeros((4,), "int32"), START, END)
+        engine_greedy_decode(model, np.zeros((4,), "int32"), START, END)
     fresh = kt.Transformer.from_preset("tiny", vocab_size=20)
-    tokens, scores = greedy_decode(fresh, np.array([[5, 6, 3]], "int32"), START, END, max_length=4)
+    tokens, scores = engine_greedy_decode(fresh, np.array([[5, 6, 3]], "int32"), START, END, max_length=4)
     assert tokens.shape[0] == 1 and scores.shape == (1,)

@@ -22,7 +22,7 @@ from conftest import XLA_MAX_BATCH, load_saved_model, needs_multi30k, run_tf1, w
 from export import graph_ops
 from export.export_model import export, next_version
 from export.engine_weights import engine_model
-from export.search import beam_search, greedy_decode
+from export.search import engine_beam_search, engine_greedy_decode
 from export.translator import decode_policy, load_model_dir
 from keras_transformer.text import END_ID, START_ID
 from export.tokenizer import encode_source
@@ -40,8 +40,8 @@ def _unb64(items):
 
 
 def engine_translations(model_dir, texts, beam_size=4):
-    """Reference: the serving engine's beam_search/greedy_decode (export/search.py) in process, detokenized
-    with the sentencepiece Python package (no Translator involved), in the precision kt-export decodes in
+    """Reference: the serving engine's `engine_beam_search`/`engine_greedy_decode` (export/search.py) in process,
+    detokenized with the sentencepiece Python package (no Translator involved), in the precision kt-export decodes in
     here. (That the engine decodes what the library decodes is tests/test_engine.py's contract.)"""
     import sentencepiece as spm
 
@@ -52,8 +52,8 @@ def engine_translations(model_dir, texts, beam_size=4):
     def decode(texts):
         source = encode_source(tokenizer, texts, cfg["max_length"]).to_tensor(0)
         if beam_size == 1:
-            return greedy_decode(model, source, START_ID, END_ID)
-        return beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
+            return engine_greedy_decode(model, source, START_ID, END_ID)
+        return engine_beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
 
     tokens, scores = decode(tf.constant(texts))
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
@@ -169,10 +169,10 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
     model, tokenizer, cfg = load_model_dir(model_dir)
     model = engine_model(model, "float32")
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
-    compiled = {"greedy": tf.function(lambda s: greedy_decode(model, s, START_ID, END_ID, fixed_shapes=True),
+    compiled = {"greedy": tf.function(lambda s: engine_greedy_decode(model, s, START_ID, END_ID, fixed_shapes=True),
                                       jit_compile=True),
-                "serving_default": tf.function(lambda s: beam_search(model, s, START_ID, END_ID, beam_size=4,
-                                                                     fixed_shapes=True), jit_compile=True)}
+                "serving_default": tf.function(lambda s: engine_beam_search(model, s, START_ID, END_ID, beam_size=4,
+                                                                            fixed_shapes=True), jit_compile=True)}
 
     def alone_under_xla(signature, text):
         source = encode_source(tokenizer, tf.constant([text]), cfg["max_length"]).to_tensor(0)
