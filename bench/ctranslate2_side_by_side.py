@@ -1,4 +1,4 @@
-"""Our served translator side by side with CTranslate2, on the same trained weights (issue 12, item 5; not a test).
+"""Our served translator side by side with CTranslate2, on the same trained weights (not a test).
 
 Runs in the benchmark virtualenv, never the project's: ctranslate2 is no
 project dependency (`make bench-venv`, or
@@ -64,7 +64,8 @@ exports or layouts (`NAME=PATH@NxM` names a row). CTranslate2: `--ct2
 COMPUTE_TYPE:WORKERSxTHREADS`, repeated: `--ct2 float32:1x2 --ct2 float32:2x1
 --ct2 int8:1x2 --ct2 int8:2x1` (with 2 workers each batch is split in two
 halves that run at once). Each row gives every system's speed and each of
-ours over the fastest setting of each compute type (issue 43, item 2).
+ours over the fastest setting of each compute type (the ratios of
+BENCHMARKS.md's "Against CTranslate2").
 CTranslate2 picks its matrix-product backend once per process: MKL on a
 GenuineIntel CPU, oneDNN elsewhere, or oneDNN everywhere with `CT2_USE_MKL=0`.
 Run the comparison both ways on an Intel CPU: the fastest thread layout can

@@ -1,5 +1,5 @@
 """Where a decoding step's time goes in the served export: a per-op profile against the step's arithmetic
-(issue 43, item 4; not a test).
+(BENCHMARKS.md's "where a served step's time goes" row; not a test).
 
     .venv/bin/python bench/decode_step_profile.py --saved-model /tmp/ct2/ours32/translator/1 \\
         --model-dir runs/en-de --inter-op-threads 2 --intra-op-threads 1 --json runs/bench/step_profile.json

@@ -28,7 +28,7 @@ bleu() {  # bleu LABEL MODEL_FILE [evaluate flags...]
     printf '%-28s sacreBLEU %6s   Multi30k protocol %6s\n' "$label" "$cased" "$multi30k"
 }
 
-for n in 1 3 5 8 10; do  # 10: the anchor of issue 25 (Wu et al., 2021) averages its last 10
+for n in 1 3 5 8 10; do  # 10: the anchor recipe (Wu et al., 2021) averages its last 10
     "$PY" -m training.average_checkpoints --model-dir "$RUN" --last "$n" --output "$RUN/avg$n.keras" > /dev/null 2>&1
     bleu "avg$n.beam4.alpha0.6" "$RUN/avg$n.keras" --beam-size 4 --alpha 0.6
 done

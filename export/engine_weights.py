@@ -28,16 +28,15 @@ def engine_model(model, dtype=None, untie_output_projection=False, output_blocks
         model: a built `keras_transformer.Transformer`.
         dtype: the Keras dtype policy of the copy: "bfloat16" (weights stored in bfloat16) rather than
             mixed_bfloat16 for a bfloat16 decode: the same bfloat16 matmuls, minus a cast of every
-            weight at every decoding step (a visible part of a step's time on CPU; docs/benchmarks-log.md, "The
-            per-step weight casts"); "float32" for the XLA decoder;
+            weight at every decoding step (a visible part of a step's time on CPU; docs/design.md, "How the
+            engine stores its weights"); "float32" for the XLA decoder;
             None: `model`'s own.
         untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
             becomes an untied `Dense` whose kernel is the embedding transposed, `[d_model, vocab]`,
             and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul and oneDNN's
             both read them faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`,
-            with the same tokens (docs/benchmarks-log.md, "The XLA decoder's output projection" and "The
-            served step's weights, read as they are stored"). It costs the export one more
-            `[d_model, vocab]` variable for each decoder.
+            with the same tokens (docs/design.md, "How the engine stores its weights"). It costs the export
+            one more `[d_model, vocab]` variable for each decoder.
         output_blocks: the untied output projection as this many column blocks (`ColumnBlocks`): the
             graph decoder passes its number of decoding loops, the inter-op threads it is served on.
             1 (default): one `Dense`.
@@ -80,8 +79,8 @@ class ColumnBlocks:
 
     Why: in the TensorFlow graph a decoding loop runs one op at a time on one inter-op thread, and at batch 1
     only one loop is busy; the output projection, `[d_model, vocab]`, is a step's largest matmul. As
-    independent ops, its blocks run at once on the threads the idle loops leave (docs/benchmarks-log.md,
-    "The output projection in column blocks").
+    independent ops, its blocks run at once on the threads the idle loops leave (docs/design.md, "The output
+    projection in column blocks").
 
     Not a Keras layer: it takes the place of a built model's `output_projection` (Keras adds no state to a
     built model), and its weights are `tf.Variable`s, which the export's functions capture and save like

@@ -127,13 +127,13 @@ def build_parser():
     p.add_argument("--xla-max-batch", type=int, default=0, metavar="N",
                    help="decode batches of at most N sentences with the search compiled by XLA in float32 (faster at "
                         "batch 1 on CPU, where the graph's step costs the dispatch of its many small ops; each new "
-                        "input shape compiles once, for seconds; docs/benchmarks-log.md, "
-                        "\"With small batches under XLA\"). "
+                        "input shape compiles once, for seconds; docs/design.md, "
+                        "\"Small batches under XLA, opt-in\"). "
                         "The model server must then run with --xla_cpu_compilation_enabled. Default 0: no XLA")
     p.add_argument("--parallel-loops", default="auto", metavar="N",
                    help="decode a batch in N loops at once, outside XLA (one loop keeps about one core busy: at batch "
                         "64 on 2 cores, with the flags that follow, greedy and beam 4 decode faster than one loop on "
-                        "the same threads; docs/benchmarks-log.md, \"Two decoding loops per batch\"); "
+                        "the same threads; docs/design.md, \"Parallel decoding loops\"); "
                         "serve with --tensorflow_inter_op_parallelism=N --tensorflow_intra_op_parallelism=1. "
                         "Default auto: one per CPU of THIS machine, at most 8")
     p.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",

@@ -19,8 +19,8 @@ through the layers' documented extension API (`keras_transformer.attention.Atten
 Outside XLA a step's Q, K and V projections are three matmuls (`GraphAttentionOps.project`: no copy of
 the kernels at every step), and the output projection reads a `[d_model, vocab]` kernel, stored so by
 `engine_model(..., untie_output_projection=True)`, which `Translator` passes for every decoder: oneDNN's
-matmul reads the tied embedding, `[vocab, d_model]`, transposed, and more slowly (docs/benchmarks-log.md,
-"The served step's weights, read as they are stored"). `Translator.from_model_dir` also stores that kernel
+matmul reads the tied embedding, `[vocab, d_model]`, transposed, and more slowly (docs/design.md, "How the
+engine stores its weights"). `Translator.from_model_dir` also stores that kernel
 as one column block per decoding loop (`engine_weights.ColumnBlocks`): independent matmuls, which the
 inter-op threads a lone loop leaves idle run at once.
 
@@ -93,7 +93,7 @@ def attend_on_eigen(query, key, value, mask):
     full pass rounds them. The softmax is written out: oneDNN's softmax kernel pays a fixed cost a call
     whatever its size, a visible part of a batch-1 step. Elementwise products and sums were cheaper still
     at batch 1, but a sentence's result then depended on its batch, and the cached step no longer equalled
-    the full pass token for token (docs/benchmarks-log.md, "Again after cutting the ops of a step").
+    the full pass token for token (docs/design.md, "The one-position attention on Eigen").
     Returns the output and the weights.
     """
     # Scores and weights are rounded to the layer's dtype, as the full pass's matmuls round them: in

@@ -31,7 +31,7 @@ def eigen_batch_matmul(x, y, adjoint_b=False):
     large share of a greedy step at 32 rows on a 2-core EPYC (avx512_bf16).
     The pass leaves float32 `BatchMatMulV3` to Eigen, which ran them several
     times faster there, and still faster counting the casts to float32
-    (docs/benchmarks-log.md, "Attention on Eigen's batched matmul").
+    (docs/design.md, "The one-position attention on Eigen").
     `BatchMatMulV3` is a core op, so the stock TF Serving binary runs it.
     """
     x, y = tf.cast(x, tf.float32), tf.cast(y, tf.float32)

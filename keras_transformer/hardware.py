@@ -1,8 +1,8 @@
 """What the CPU computes natively: the precision that is fastest on it.
 
 bfloat16 on a CPU without native support is emulated and slower than float32,
-and faster than float32 with AVX512_BF16 or AMX (docs/benchmarks-log.md, "bfloat16
-without native support" and "Training throughput"), so training (`kt-train`'s
+and faster than float32 with AVX512_BF16 or AMX (docs/design.md, "Training
+precision and oneDNN, from the CPU"), so training (`kt-train`'s
 `"mixed_precision": "auto"`) reads the CPU flags, and `kt-export` names them
 when it could decode in bfloat16.
 """

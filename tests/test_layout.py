@@ -1,6 +1,6 @@
 """The layout's dependency rules: the library and the export never import training/, the library imports
 without TensorFlow on the other backends, and nothing but the kt-train CLI imports training/train.py. And no
-measured figure in the code: BENCHMARKS.md holds them (issue 44)."""
+measured figure in the code: BENCHMARKS.md holds them, and docs/design.md the reasons."""
 
 import ast
 import re
@@ -103,9 +103,10 @@ def _prose(path):
 
 
 def test_no_measured_figure_in_code():
-    """Issue 44: no timing in code. Docstrings, comments and --help texts give the reason (what is faster or
-    slower, and why) and point to the BENCHMARKS.md section that holds the figure: a figure in the code goes
-    stale with the next benchmark, and BENCHMARKS.md is the one place that dates it and says how it was run.
+    """No timing in code. Docstrings, comments and --help texts give the reason (what is faster or slower,
+    and why) and point to docs/design.md or the BENCHMARKS.md section that holds the figure: a figure in the
+    code goes stale with the next benchmark, and BENCHMARKS.md is the one place that dates it and says how it
+    was run.
 
     The rule: in every .py file of keras_transformer/, training/ and export/, only comments and string
     literals are read, so code (`timeout=600`, `time.sleep(0.5)`) is never flagged: a number in code is a
@@ -132,7 +133,7 @@ KERAS_ATTENTION_STATE = re.compile(r"\._(?:query|key|value|output)_dense\b|_use_
 
 
 def test_keras_private_attention_state_is_read_in_one_adapter():
-    """Issue 42: the attention's weights and options, which Keras keeps in private attributes, are read only in
+    """The attention's weights and options, which Keras keeps in private attributes, are read only in
     keras_transformer/keras_internals.py (labelled with the Keras version); the library's layer and the serving
     engine use its public `projections` and `is_plain()`."""
     readers = sorted(
@@ -163,7 +164,7 @@ def _private_imports_from_the_library(path):
 
 
 def test_the_serving_engine_imports_no_private_name_of_the_library(tmp_path):
-    """Issue 42: `export/` reaches the library through its public names only (the strategies, `SearchOps`,
+    """`export/` reaches the library through its public names only (the strategies, `SearchOps`,
     the layers' `projections`), as CTranslate2 never imports its trainer's internals."""
     private = {f"{path.relative_to(REPO)}: {name}" for path in sorted((REPO / "export").rglob("*.py"))
                for name in _private_imports_from_the_library(path)}

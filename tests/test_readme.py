@@ -147,8 +147,8 @@ def test_github_slug():
     assert github_slug("Training (`python -m training.train`, `kt-train`)") == "training-python--m-trainingtrain-kt-train"
     assert github_slug("The figures behind `eigen_batch_matmul` (commits 77537e5, 728c4b9)") == \
         "the-figures-behind-eigen_batch_matmul-commits-77537e5-728c4b9"
-    assert github_slug("On the AVX2-only EPYC with oneDNN on: ahead of both, short of 1.5× (issue 27)") == \
-        "on-the-avx2-only-epyc-with-onednn-on-ahead-of-both-short-of-15-issue-27"
+    assert github_slug("On the AVX2-only EPYC with oneDNN on: ahead of both, short of 1.5× (2026-11-25)") == \
+        "on-the-avx2-only-epyc-with-onednn-on-ahead-of-both-short-of-15-2026-11-25"
     assert github_slug("**Bold** and [a link](x.md)") == "bold-and-a-link"
 
 

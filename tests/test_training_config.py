@@ -84,7 +84,7 @@ def test_settings_out_of_range_are_one_clear_error(tmp_path):
 
 
 def test_shipped_best_recipe_is_the_anchors():
-    """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (issue 41), with the
+    """configs/multi30k-best.json: Wu et al. 2021's Transformer-Tiny recipe as fairseq runs it (the anchor), with the
     anchor's dropout 0.3, but for two settings chosen on val (training/README): pre-norm, where the anchor's
     post-norm left the model underfitting on CPU at dropout 0.3, and 8,000 joint pieces, where the anchor's 10,000
     overfit."""

@@ -96,7 +96,7 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
     # No autotuning thread: deleting an iterator (Keras does, every epoch and every
     # validation) waits for that thread's next wake-up, up to a minute once the
     # iterator is old; that left some Multi30k epochs idle for up to as long as
-    # their work took (docs/benchmarks-log.md, "Input pipeline: iterator deletion").
+    # their work took (docs/design.md, "No tf.data autotuning").
     # The map and prefetch still run in parallel.
     options.autotune.enabled = False
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)

@@ -16,7 +16,8 @@ from export.native_logs import quiet_import_for_commands, wants_logs
 from training import ONEDNN_ENV
 
 # TensorFlow (since 2.9) turns its oneDNN kernels on by default only on CPUs with AVX512_VNNI, AVX512_BF16
-# or AMX; on an AVX2-only CPU it then trains on its Eigen kernels, much slower (docs/benchmarks-log.md, issue 27).
+# or AMX; on an AVX2-only CPU it then trains on its Eigen kernels, much slower (docs/design.md, "Training precision
+# and oneDNN, from the CPU").
 # It reads the variable once, when it loads. A value the user set wins (0 turns oneDNN off).
 os.environ.setdefault(ONEDNN_ENV, "1")
 # Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (export/native_logs.py).
