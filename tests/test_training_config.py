@@ -258,9 +258,10 @@ def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
     from training.fit import train
 
     src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
+    # --max-train-examples keeps kt-train on the text (a prepared corpus's epoch is a count, not a pass).
     cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
                           "--tokens-per-batch", "600", "--epochs", "2", "--warmup-steps", "10", "--no-validation",
-                          "--verbose", "0", "--model-dir", str(tmp_path / "run")])
+                          "--verbose", "0", "--model-dir", str(tmp_path / "run"), "--max-train-examples", "200"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summary = train(cfg)

@@ -372,6 +372,69 @@ def test_a_tfds_corpus_is_prepared_and_trained_on_with_its_validation_split(tmp_
     assert len((tmp_path / "m" / "hyp.test.de").read_text().splitlines()) == 4
 
 
+def test_kt_train_prepares_train_files_into_its_run_first_and_reuses_them_on_resume(tmp_path, capsys):
+    """`kt-train --train-files` trains as `kt-prepare` then `kt-train --prepared` would: the corpus is prepared
+    into MODEL_DIR/prepared (the vocabulary trained there, with kt-train's settings) and streamed from it; run
+    again to go further, the preparation is reused, not redone."""
+    from training.config import resolve_config
+    from training.fit import train
+
+    src = write_lines(tmp_path / "t.en", multi30k_lines("train.en", 300))
+    tgt = write_lines(tmp_path / "t.de", multi30k_lines("train.de", 300))
+    val = [str(write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 20))) for lang in ("en", "de")]
+    model_dir = tmp_path / "m"
+    args = ["--train-files", str(src), str(tgt), "--valid-files", *val, "--preset", "tiny", "--model-dir",
+            str(model_dir), "--vocab-size", "400", "--tokens-per-batch", "600", "--verbose", "0"]
+    first = train(resolve_config(args + ["--max-updates", "2", "--epochs", "1"]))
+    out = capsys.readouterr().out
+    corpus = open_prepared(model_dir / "prepared")
+    assert corpus.pairs == 300 and corpus.manifest["vocabulary"]["pieces"] == 400
+    assert corpus.manifest["validation"] == {"files": [str(tmp_path / "v.en"), str(tmp_path / "v.de")]}
+    assert (model_dir / "tokenizer.model").read_bytes() == (model_dir / "prepared" / "tokenizer.model").read_bytes()
+    assert f"data: {model_dir / 'prepared'} (300 pairs" in out and "tokenized every epoch" not in out
+    assert json.loads((model_dir / "config.json").read_text())["training"]["prepared"] == str(model_dir / "prepared")
+    assert first["optimizer_steps"] == 2
+    manifest_before = (model_dir / "prepared" / MANIFEST_FILENAME).read_bytes()
+    again = train(resolve_config(args + ["--max-updates", "3", "--epochs", "2"]))
+    assert "is prepared already" in capsys.readouterr().out
+    assert (model_dir / "prepared" / MANIFEST_FILENAME).read_bytes() == manifest_before
+    assert again["optimizer_steps"] == 3 and "val_loss" in (model_dir / "history.csv").read_text()
+
+
+def test_kt_train_prepares_a_tfds_corpus_and_reads_text_only_where_it_must(tmp_path, capsys):
+    """A TFDS name is prepared into the run like --train-files (here wmt14_translate/de-en on TFDS' own mock
+    data, its validation split recorded); Multi30k, --subword-sampling (a new segmentation of each sentence's
+    text every epoch) and --max-train-examples read text, and say so."""
+    import tensorflow_datasets as tfds
+
+    from training.config import resolve_config
+    from training.fit import text_reason, train
+
+    model_dir = tmp_path / "wmt"
+    with tfds.testing.mock_data(num_examples=120):
+        summary = train(resolve_config(["--dataset", "wmt14_translate/de-en", "--preset", "tiny", "--model-dir",
+                                        str(model_dir), "--vocab-size", "1000", "--max-updates", "1", "--epochs",
+                                        "1", "--tokens-per-batch", "600", "--verbose", "0"]))
+    assert summary["optimizer_steps"] == 1
+    manifest = open_prepared(model_dir / "prepared").manifest
+    assert [c["name"] for c in manifest["corpora"]] == ["wmt14_translate/de-en (train)"]
+    assert manifest["validation"]["tfds"] == "wmt14_translate/de-en"
+    assert json.loads((model_dir / "config.json").read_text())["training"]["dataset"] == "wmt14_translate/de-en"
+    files = resolve_config(["--train-files", "a.en", "a.de"])
+    assert text_reason(files) is None
+    assert text_reason(resolve_config([])) == "Multi30k"
+    assert text_reason({**files, "subword_sampling": 0.1}) == "--subword-sampling"
+    assert text_reason({**files, "max_train_examples": 100}) == "--max-train-examples"
+    src = write_lines(tmp_path / "s.en", multi30k_lines("train.en", 200))
+    tgt = write_lines(tmp_path / "s.de", multi30k_lines("train.de", 200))
+    capsys.readouterr()
+    train(resolve_config(["--train-files", str(src), str(tgt), "--subword-sampling", "0.1", "--preset", "tiny",
+                          "--model-dir", str(tmp_path / "sampled"), "--vocab-size", "400", "--max-updates", "1",
+                          "--epochs", "1", "--no-validation", "--tokens-per-batch", "600", "--verbose", "0"]))
+    assert "tokenized every epoch (--subword-sampling" in capsys.readouterr().out
+    assert not (tmp_path / "sampled" / "prepared").exists()
+
+
 def test_make_train_prepares_your_own_text_then_trains_scores_and_exports_it():
     """`make train TRAIN=... VALID=... TEST=... RUN=...`: the commands it runs (make -n), in order."""
     done = subprocess.run(["make", "-n", "train", "TRAIN=a.en a.de b.en.gz b.de.gz", "VALID=v.en v.de",

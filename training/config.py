@@ -94,11 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a Transformer argument, e.g. --model-arg dropout=0.3 (repeatable)")
     p.add_argument("--dropout", type=float, help="shortcut for --model-arg dropout=X")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", help="multi30k (default) | files | a TFDS name, e.g. ted_hrlr_translate/pt_to_en")
+    g.add_argument("--dataset", help="multi30k (default; read as text) | files | a TFDS name, e.g. "
+                   "ted_hrlr_translate/pt_to_en (prepared into MODEL_DIR/prepared first, as --train-files)")
     g.add_argument("--data-dir", help="raw Multi30k directory (default: $KT_MULTI30K_DIR, else "
                    "../shared/data/multi30k, else download)")
     g.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets (default $KT_TFDS_DIR or ~/tensorflow_datasets)")
-    g.add_argument("--train-files", nargs=2, metavar=("SOURCE", "TARGET"), help="parallel text files (implies --dataset files)")
+    g.add_argument("--train-files", nargs=2, metavar=("SOURCE", "TARGET"), help="parallel text files, plain or gzip (implies --dataset files); prepared into "
+                   "MODEL_DIR/prepared first, as kt-prepare does, unless --subword-sampling or --max-train-examples "
+                   "keeps them text")
     g.add_argument("--valid-files", nargs=2, metavar=("SOURCE", "TARGET"), help="validation text files for --dataset files")
     g.add_argument("--prepared", metavar="DIR",
                    help="train on a corpus kt-prepare prepared (its shards, its vocabulary, its validation set "

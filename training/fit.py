@@ -66,15 +66,86 @@ def data_spec(cfg, corpus: PreparedCorpus | None = None) -> DataSpec:
                     check_alignment=cfg["check_alignment"])
 
 
-def _wait_for(path: Path, timeout: float = 1800.0) -> None:
+# Where kt-train prepares a corpus it is given as text files or by TFDS name (kt-prepare's format).
+RUN_PREPARED_DIR = "prepared"
+# How long another worker waits for the chief to prepare the corpus: kt-prepare's time is linear in the corpus.
+PREPARE_WAIT_SECONDS = 12 * 3600.0
+
+
+def text_reason(cfg) -> str | None:
+    """Why kt-train reads its corpus as text rather than preparing it into the run directory first (the
+    setting that makes it), or None when it prepares. `--train-files` and TFDS datasets are prepared (kt-prepare's way: memory flat in the
+    corpus, tokenized once); Multi30k, small and built in, is read as text, and so is any corpus with
+    --subword-sampling (it segments each sentence anew every epoch, from its text) or --max-train-examples."""
+    if cfg.get("prepared"):
+        return "--prepared"
+    if cfg["dataset"] == "multi30k":
+        return "Multi30k"
+    if cfg.get("subword_sampling"):
+        return "--subword-sampling"
+    if cfg.get("max_train_examples"):
+        return "--max-train-examples"
+    return None
+
+
+def prepare_into_run(cfg, model_dir: Path, is_chief: bool) -> dict:
+    """Prepares the run's training corpus into MODEL_DIR/prepared with kt-prepare (the chief; the other
+    workers wait for its manifest) and returns `cfg` with `prepared` set to it. The vocabulary is the run's
+    own if it has one (a resumed run), else --tokenizer's (or --init-from's), else trained as kt-train trains
+    one; a finished preparation is reused, a killed one starts again."""
+    from training.prepare import parse_args, prepare
+    from training.prepared import MANIFEST_FILENAME
+
+    out = model_dir / RUN_PREPARED_DIR
+    if is_chief:
+        argv = ["--out", str(out), "--source-lang", cfg["source_lang"], "--target-lang", cfg["target_lang"],
+                "--seed", str(cfg["seed"])]
+        if cfg["dataset"] == "files":
+            argv += ["--train-files", *cfg["train_files"]]
+        else:
+            argv += ["--tfds", cfg["dataset"]]
+        if cfg.get("valid_files"):
+            argv += ["--valid-files", *cfg["valid_files"]]
+        for flag, key in (("--data-dir", "data_dir"), ("--tfds-data-dir", "tfds_data_dir")):
+            if cfg.get(key):
+                argv += [flag, cfg[key]]
+        own, given = model_dir / TOKENIZER_FILENAME, None
+        if own.is_file() and not (out / MANIFEST_FILENAME).is_file():
+            # A run begun on its text keeps the vocabulary its checkpoints are in.
+            given, what, whose = own, f"this run's vocabulary {own}", "the run's"
+        elif cfg.get("tokenizer"):
+            given, what = cfg["tokenizer"], f"the vocabulary {cfg['tokenizer']}"
+            whose = "--init-from's" if cfg.get("init_from") else "--tokenizer's"
+        if given is not None:
+            # The vocabulary's checks first, naming the file given, before anything is prepared with it.
+            proto = read_tokenizer_proto(given)
+            check_special_ids(proto)
+            _check_lowercase(cfg, lowercases(proto), what, whose)
+            argv += ["--tokenizer", str(given)]
+        else:
+            argv += ["--vocab-size", str(cfg["vocab_size"]), "--vocab-sample", str(cfg["vocab_sample"])]
+            argv += ["--lowercase"] if cfg.get("lowercase") else []
+        if not cfg["check_alignment"]:
+            argv += ["--no-alignment-check"]
+        print(f"[kt-train] preparing the corpus into {out} (kt-prepare {' '.join(argv)})", flush=True)
+        prepare(parse_args(argv))
+    else:
+        print(f"[kt-train] waiting for the chief worker to prepare the corpus into {out}", flush=True)
+        _wait_for(out / MANIFEST_FILENAME, PREPARE_WAIT_SECONDS, what="the prepared corpus",
+                  instead="prepare it once with kt-prepare and give every worker --prepared DIR")
+    return {**cfg, "prepared": str(out)}
+
+
+def _wait_for(path: Path, timeout: float = 1800.0, what: str = "the vocabulary",
+              instead: str = "train the vocabulary once and give every worker --tokenizer PATH") -> None:
     """Waits for the chief worker to write `path`; a `ConfigError` saying what to check after `timeout` s."""
     t0 = time.time()
     while not path.exists():
         if time.time() - t0 > timeout:
             raise ConfigError(
-                f"this worker waited {timeout:.0f} s for the chief worker to write the vocabulary {path}. Is "
-                f"--model-dir on storage every worker shares, and is the chief running? To skip the wait, train "
-                f"the vocabulary once and give every worker --tokenizer PATH.")
+                f"this worker waited {timeout:.0f} s for the chief worker to write {what} {path}. Is "
+                f"--model-dir on storage every worker shares, and is the chief running? To skip the wait, "
+                f"{instead}.")
         time.sleep(0.5)
 
 
@@ -273,6 +344,8 @@ def train(cfg: dict, strategy=None) -> dict:
         cfg = {**cfg, "tokenizer": str(init.tokenizer_file), "init_from_model": init,
                "preset": init.preset or cfg["preset"]}
 
+    if text_reason(cfg) is None:
+        cfg = prepare_into_run(cfg, model_dir, is_chief)
     corpus = None
     if cfg.get("prepared"):
         corpus = open_prepared(cfg["prepared"], shards=[])  # the manifest alone: this worker's shards below
@@ -342,6 +415,10 @@ def train(cfg: dict, strategy=None) -> dict:
               f"worker {task_index + 1}/{num_workers} reads {len(worker)}); an epoch is {steps:,} updates",
               flush=True)
     else:
+        reason = text_reason(cfg)
+        print(f"[kt-train] data: {spec.dataset}'s text, read into memory and tokenized every epoch ({reason}: "
+              f"{'small' if reason == 'Multi30k' else 'not prepared'}; --train-files and TFDS corpora are "
+              "prepared into the run first)", flush=True)
         train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
                                 seed=cfg["seed"], repeat=bool(steps), copies=copies, **batch_args)
     batch_contents = None
