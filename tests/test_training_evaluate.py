@@ -134,6 +134,97 @@ def test_the_multi30k_protocol_scores_tokenised_lines_without_sacrebleus_detoken
     assert 0 < score.score < 100 and "tok:none" in str(signature)
 
 
+def test_the_compound_split_is_tensor2tensors_and_fairseqs_perl_substitution():
+    """`perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'`, a match taking the character after its hyphen: a
+    one-character part keeps its next hyphen; a hyphen beside a space stays."""
+    from training.evaluate import compound_split
+
+    assert compound_split("Kosten-Nutzen-Verhältnis") == "Kosten ##AT##-##AT## Nutzen ##AT##-##AT## Verhältnis"
+    assert compound_split("Die E-Mail kam .") == "Die E ##AT##-##AT## Mail kam ."
+    assert compound_split("U-S-Bahn") == "U ##AT##-##AT## S-Bahn"
+    assert compound_split("Vor- und Nachteile - gut") == "Vor- und Nachteile - gut"
+
+
+# A hand-worked example of the paper's BLEU (3 sentences; "@" below stands for the token "##AT##-##AT##").
+PAPER_REFERENCES = ["Das ist ein gutes Kosten-Nutzen-Verhältnis.", "Die E-Mail kam gestern an.",
+                    "Wir sehen uns morgen."]
+PAPER_HYPOTHESES = ["Das ist ein Kosten-Nutzen-Verhältnis.", "Die E-Mail kam heute an.", "Wir sehen uns morgen."]
+
+
+def test_the_papers_bleu_of_a_hand_worked_example():
+    """Moses-tokenised (the final "." split off), compounds split, then cased BLEU of the tokens, unsmoothed:
+    1) hyp "Das ist ein Kosten @ Nutzen @ Verhältnis ." (9 tokens), ref with "gutes" (10): 1-grams 9/9,
+       2-grams 7/8 (not "ein Kosten"), 3-grams 5/7, 4-grams 3/6;
+    2) hyp "Die E @ Mail kam heute an ." (8), ref "gestern" for "heute" (8): 7/8, 5/7, 3/6, 2/5;
+    3) "Wir sehen uns morgen ." both (5): 5/5, 4/4, 3/3, 2/2.
+    Corpus: 21/22, 16/19, 11/16, 7/13; 22 tokens against 23: BLEU = exp(1 - 23/22) (21/22 16/19 11/16 7/13)^(1/4)
+    = 70.58. Unsplit ("Kosten-Nutzen-Verhältnis" and "E-Mail" one token each): 15/16, 10/13, 5/10, 2/7, 16 tokens
+    against 17: exp(1 - 17/16) (15/16 10/13 5/10 2/7)^(1/4) = 53.22."""
+    import math
+
+    from sacrebleu.metrics import BLEU
+    from sacremoses import MosesTokenizer
+
+    from training.evaluate import compound_split_bleu
+
+    score, signature = compound_split_bleu(PAPER_HYPOTHESES, PAPER_REFERENCES, "de")
+    assert (score.counts, score.totals, score.sys_len, score.ref_len) == ([21, 16, 11, 7], [22, 19, 16, 13], 22, 23)
+    by_hand = 100 * math.exp(1 - 23 / 22) * (21 / 22 * 16 / 19 * 11 / 16 * 7 / 13) ** 0.25
+    assert score.score == pytest.approx(by_hand) and round(by_hand, 2) == 70.58
+    assert "case:mixed" in str(signature) and "tok:none" in str(signature) and "smooth:none" in str(signature)
+
+    tokenizer = MosesTokenizer("de")
+    unsplit = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
+        [tokenizer.tokenize(h, return_str=True) for h in PAPER_HYPOTHESES],
+        [[tokenizer.tokenize(r, return_str=True) for r in PAPER_REFERENCES]])
+    assert (unsplit.counts, unsplit.totals) == ([15, 10, 5, 2], [16, 13, 10, 7])
+    assert unsplit.score == pytest.approx(100 * math.exp(1 - 17 / 16) * (15 / 16 * 10 / 13 * 5 / 10 * 2 / 7) ** 0.25)
+    assert score.score > unsplit.score + 15
+    # Cased, as multi-bleu.perl without -lc: a lowercased hypothesis loses its capitals' n-grams.
+    lowered, _ = compound_split_bleu([h.lower() for h in PAPER_HYPOTHESES], PAPER_REFERENCES, "de")
+    assert lowered.counts[0] == 21 - 8  # Das, Kosten, Nutzen, Verhältnis, Die, E, Mail, Wir no longer match
+    assert lowered.score < score.score
+
+
+def test_evaluate_prints_the_papers_bleu_for_wmt_datasets_and_with_paper_bleu(tmp_path, capsys):
+    """A model whose config.json records a TFDS "wmt..." dataset gets the paper's BLEU line (labelled) and not the
+    Multi30k protocol's; a Multi30k model the Multi30k protocol's alone, as before; --paper-bleu adds the line for
+    any dataset, e.g. for files scored without a model; it needs a language."""
+    from training.evaluate import compound_split_bleu, main, multi30k_protocol_bleu
+
+    refs = _lines("test_2016_flickr.de", 60) + PAPER_REFERENCES
+    hyps = _perturb(_lines("test_2016_flickr.de", 60)) + PAPER_HYPOTHESES
+    ref, hyp = _write(tmp_path / "ref.de", refs), _write(tmp_path / "hyp.de", hyps)
+    paper, paper_signature = compound_split_bleu(hyps, refs, "de")
+    multi30k, _ = multi30k_protocol_bleu(hyps, refs, "de")
+    paper_line = f"Paper protocol (Moses-tokenised, compounds split ##AT##-##AT##, multi-bleu.perl; " \
+                 f"tensor2tensor's get_ende_bleu.sh), de: {paper.format(signature=str(paper_signature))}"
+    assert paper.score != multi30k.score
+
+    def evaluated(*flags, dataset=None):
+        argv = ["--hypotheses", str(hyp), "--references", str(ref), "--output", str(tmp_path / "scores.json")]
+        if dataset:
+            run = tmp_path / dataset.replace("/", "-")
+            run.mkdir(exist_ok=True)
+            (run / "config.json").write_text(json.dumps({"target_lang": "de", "training": {"dataset": dataset}}))
+            argv += ["--model-dir", str(run)]
+        assert main(argv + list(flags)) == 0
+        return capsys.readouterr().out, json.loads((tmp_path / "scores.json").read_text())
+
+    printed, scores = evaluated(dataset="wmt14_translate/de-en")
+    assert paper_line in printed.splitlines() and "Multi30k protocol" not in printed
+    assert scores["paper_bleu"] == pytest.approx(paper.score) and scores["paper_bleu_lang"] == "de"
+    assert scores["paper_bleu_signature"] == str(paper_signature) and "multi30k_bleu" not in scores
+    printed, scores = evaluated(dataset="multi30k")
+    assert "Paper protocol" not in printed and "paper_bleu" not in scores
+    assert scores["multi30k_bleu"] == pytest.approx(multi30k.score) and "Multi30k protocol" in printed
+    printed, scores = evaluated("--dataset", "files", "--target-lang", "de", "--paper-bleu")
+    assert paper_line in printed.splitlines() and "Multi30k protocol" not in printed
+    assert scores["paper_bleu"] == pytest.approx(paper.score)
+    with pytest.raises(SystemExit, match="--paper-bleu needs the target language.*--target-lang"):
+        main(["--hypotheses", str(hyp), "--references", str(ref), "--paper-bleu"])
+
+
 def test_crlf_files_reach_sacrebleu_without_carriage_returns(tmp_path, monkeypatch):
     """Windows line ends are line ends: no '\\r' is fed to sacreBLEU (sacreBLEU's own tokenizer happens to
     hide it today, so this checks what evaluate passes on)."""
@@ -361,15 +452,45 @@ def test_translate_all_shows_progress_over_the_batches(capsys):
 
     calls = []
 
-    class Echo:  # a Translator's greedy function: the text back, with a score
+    class Echo:  # a Translator's greedy function: the text back, with a score, and the "long" sources cut
         @staticmethod
         def translate_greedy(text):
             calls.append(int(tf.size(text)))
-            return {"translation": text, "score": tf.zeros(tf.shape(text))}
+            return {"translation": text, "score": tf.zeros(tf.shape(text)),
+                    "truncated": tf.strings.regex_full_match(text, ".*long.*")}
 
-    sources = [f"sentence {i}" for i in range(150)]
-    assert translate_all(Echo(), sources, beam_size=1, batch_size=64, progress=True) == sources
+    sources = [f"sentence {i}" if i % 50 else f"long sentence {i}" for i in range(150)]
+    translated = translate_all(Echo(), sources, beam_size=1, batch_size=64, progress=True)
+    assert translated.texts == sources and translated.truncated_lines == [1, 51, 101]
     assert calls == [64, 64, 22]
     assert "150/150" in capsys.readouterr().err
     translate_all(Echo(), sources, beam_size=1, batch_size=64, progress=False)
     assert "150/150" not in capsys.readouterr().err
+
+
+def test_evaluate_counts_the_sources_cut_to_the_models_limit(trained_dir, tmp_path, capsys):
+    """A source with more pieces than config.json's max_length keeps (end id included) is cut before it is
+    translated: kt-evaluate says how many of the sources were, against the limit, and records the count; with
+    no such source, no line and a count of 0."""
+    import sentencepiece as spm
+
+    from training.evaluate import main
+
+    limit = json.loads((trained_dir / "config.json").read_text())["max_length"]
+    sp = spm.SentencePieceProcessor(model_file=str(trained_dir / "tokenizer.model"))
+    fits = [s for s in _lines("test_2016_flickr.en", 40) if len(sp.encode(s)) + 1 <= limit][:3]
+    long = " ".join(_lines("test_2016_flickr.en", 8))
+    assert len(fits) == 3 and len(sp.encode(long)) + 1 > limit
+    refs = _lines("test_2016_flickr.de", 4)
+    ref = _write(tmp_path / "ref.de", refs)
+    common = ["--model-dir", str(trained_dir), "--references", str(ref), "--beam-size", "1", "--no-progress"]
+    for name, sources, cut in (("one-long", [fits[0], long, fits[1], fits[2]], 1), ("fitting", fits + [fits[0]], 0)):
+        src, out = _write(tmp_path / f"{name}.en", sources), tmp_path / f"{name}.de"
+        assert main(common + ["--source-file", str(src), "--output", str(out)]) == 0
+        printed = capsys.readouterr().out
+        line = (f"1 of 4 sources were longer than the model's limit of {limit} tokens (config.json max_length, "
+                f"end token included) and were cut before translation (their BLEU counts the cut translation)")
+        assert (line in printed.splitlines()) == bool(cut), printed
+        assert ("were cut before translation" in printed) == bool(cut)
+        scores = json.loads(Path(f"{out}.scores.json").read_text())
+        assert (scores["truncated_sources"], scores["max_source_length"], scores["sentences"]) == (cut, limit, 4)
