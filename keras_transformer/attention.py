@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_transformer.keras_internals import (
     AttentionProjections,
+    MultiHeadAttentionWithHook,
     attention_dropout_layer,
     attention_is_plain,
     attention_mask_of_call,
@@ -17,7 +18,7 @@ from keras_transformer.masking import MASKED_SCORE, causal_mask
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class MultiHeadAttention(keras.layers.MultiHeadAttention):
+class MultiHeadAttention(MultiHeadAttentionWithHook):
     """Keras' `MultiHeadAttention` plus a key/value cache for incremental decoding.
 
     MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, with
@@ -181,17 +182,18 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             return tuple(project_heads(value, [w.key, w.value]))
         return _project(key, w.key), _project(value, w.value)
 
-    def _compute_attention(
+    def attention_of_heads(
         self, query, key, value, attention_mask=None, training=None, return_attention_scores=False, **kwargs
     ):
-        """softmax(Q K^T / sqrt(d_k)) V (paper equation 1) on heads `[batch, length, num_heads, dim]`.
+        """softmax(Q K^T / sqrt(d_k)) V (paper equation 1) on heads `[batch, length, num_heads, dim]`: the step
+        of Keras' `call` between the projections (`MultiHeadAttentionWithHook`).
 
         Returns the output `[batch, query_len, num_heads, value_dim]` and the
         weights `[batch, num_heads, query_len, key_len]`; `attention_mask`
         `[batch or 1, query_len, key_len]` is True where attention is allowed.
         """
         if not self.is_plain():
-            return super()._compute_attention(
+            return self.keras_attention_of_heads(
                 query, key, value, attention_mask, training, return_attention_scores, **kwargs
             )
         output, scores = self._attend(

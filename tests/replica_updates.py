@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 from training.config import DEFAULTS  # noqa: E402
 from training.distribute import make_strategy, worker_info  # noqa: E402
 from training.fit import build_and_compile  # noqa: E402
-from training.keras_internals import build_fit_state_now  # noqa: E402
+from keras_transformer.keras_internals import build_fit_state_now  # noqa: E402
 from training.update import UpdateStep  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402

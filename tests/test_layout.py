@@ -127,22 +127,40 @@ def test_no_measured_figure_in_code():
     assert findings == [], "measured figures (give the reason, point to BENCHMARKS.md):\n" + "\n".join(findings)
 
 
-KERAS_ATTENTION_STATE = re.compile(r"\._(?:query|key|value|output)_dense\b|_use_gate\b|_sliding_window\b|"
-                                   r"\._attention_axes\b|\._dropout_layer\b|\._compute_attention_mask\b|"
-                                   r"\._inverse_sqrt_key_dim\b|self\._dropout\b")
+# Every private Keras name the project uses (keras_transformer/keras_internals.py), and `keras.src`.
+KERAS_PRIVATE_API = re.compile(
+    r"\._(?:query|key|value|output)_dense\b|_use_gate\b|_sliding_window\b|"  # the attention layer
+    r"\._attention_axes\b|\._dropout_layer\b|\._compute_attention_mask\b|\b_compute_attention\b|"
+    r"\._inverse_sqrt_key_dim\b|self\._dropout\b|"
+    r"_symbolic_build\b|\._loss_tracker\b|\._initial_epoch\b|_all_reduce_sum_gradients\b|"  # the trainer
+    r"\b_save_model\b|\b_load_model\b|\._(?:prev_)?(?:weights|training_metadata)_path\b|"  # BackupAndRestore
+    r"\._current_epoch\b|\._last_batch_seen\b|_should_save_on_batch\b|"
+    r"\bkeras\.src\b|\bkeras\s+import\s+src\b")
+KERAS_INTERNALS = REPO / "keras_transformer" / "keras_internals.py"
 
 
-def test_keras_private_attention_state_is_read_in_one_adapter():
-    """The attention's weights and options, which Keras keeps in private attributes, are read only in
-    keras_transformer/keras_internals.py (labelled with the Keras version); the library's layer and the serving
-    engine use its public `projections` and `is_plain()`."""
-    readers = sorted(
-        f"{path.relative_to(REPO)}:{number}"
-        for folder in ("keras_transformer", "export", "training")
-        for path in (REPO / folder).rglob("*.py") if path != REPO / "keras_transformer" / "keras_internals.py"
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if KERAS_ATTENTION_STATE.search(line))
-    assert readers == []
+def _keras_private_api_users(paths):
+    return sorted(f"{path.relative_to(REPO)}:{number}" for path in paths if path != KERAS_INTERNALS
+                  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                  if KERAS_PRIVATE_API.search(line))
+
+
+def test_private_keras_api_is_used_in_one_module():
+    """Private Keras API (the attention's weights, options and methods, the trainer's, the optimizer's and
+    the backup callback's private state, `keras.src`) is used only in keras_transformer/keras_internals.py,
+    labelled with the Keras version and tested use by use in tests/test_keras_internals.py; the library's
+    layer and the serving engine use its public `projections` and `is_plain()`, kt-train its functions."""
+    assert _keras_private_api_users(path for folder in ("keras_transformer", "export", "training")
+                                    for path in (REPO / folder).rglob("*.py")) == []
+    assert not (REPO / "training" / "keras_internals.py").exists()
+    # The check sees each use where keras_internals.py makes it.
+    lines = KERAS_INTERNALS.read_text(encoding="utf-8").splitlines()
+    for symbol in ("layer._query_dense", "_use_gate", "layer._dropout_layer", "layer._compute_attention_mask",
+                   "def _compute_attention", "model._maybe_symbolic_build", "optimizer._all_reduce_sum_gradients",
+                   "model._loss_tracker", "model._initial_epoch", "self._weights_path", "self._prev_weights_path",
+                   "self._training_metadata_path", "self._current_epoch", "self._last_batch_seen",
+                   "def _save_model"):
+        assert any(symbol in line and KERAS_PRIVATE_API.search(line) for line in lines), symbol
 
 
 def _private_imports_from_the_library(path):

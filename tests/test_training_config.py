@@ -279,14 +279,14 @@ def test_an_epoch_of_unknown_length_makes_the_updates_of_one_of_known_length(acc
     """Keras 3.15's TensorFlow trainer ends an epoch of unknown length (bucketed batches' length is unknown) with a
     step whose batch never comes, and the step's ops that do not read the batch run: the optimizer's step counter
     gains one, with no update, and with accumulation the summed gradients are reset
-    (training/keras_internals.py). The learning rate follows that counter, so the run drifts from one on the same
+    (keras_transformer/keras_internals.py). The learning rate follows that counter, so the run drifts from one on the same
     batches of known length. With `no_step_without_data`, as kt-train runs fit(), the two runs are one; so they are
     when the dataset is told its length, as docs/library.md advises users of their own fit()."""
     import keras
     import numpy as np
     import tensorflow as tf
 
-    from training.keras_internals import no_step_without_data
+    from keras_transformer.keras_internals import no_step_without_data
 
     rng = np.random.default_rng(0)
     x, y = rng.random((50, 4), dtype="float32"), rng.random((50, 1), dtype="float32")
@@ -535,7 +535,7 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     from training.errors import ConfigError
     from training.data import load_text_pairs
     from training.fit import compile_model, data_spec, train
-    from training.keras_internals import ignoring_ran_out_of_data
+    from keras_transformer.keras_internals import ignoring_ran_out_of_data
     from training.pipeline import make_batches
 
     with pytest.raises(ConfigError, match="--r-drop"):

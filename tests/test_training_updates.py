@@ -77,7 +77,7 @@ def test_the_clip_applies_to_the_summed_gradient(runs, case, replicas):
 def test_the_validation_loss_is_the_mean_over_every_real_target_token_on_any_replica_count(runs, case):
     """evaluate() counts the loss as an update does: over every real target token of the batches (of unequal
     token counts), whatever the replicas, not as a mean of per-replica or per-batch means. (Its "loss" is
-    Keras' loss tracker's result, which `training.keras_internals.loss_tracker` hands the step.)"""
+    Keras' loss tracker's result, which `keras_transformer.keras_internals.loss_tracker` hands the step.)"""
     definition = runs["1"][case]["definition"]["loss"]
     for replicas in ("1", "2", "workers"):
         assert runs[replicas][case]["evaluated"] == pytest.approx(definition, rel=1e-5), replicas
@@ -253,14 +253,14 @@ def test_kt_train_accumulates_on_two_replicas_and_keeps_its_batch_plan_on_one(tm
 
 
 # ---------------------------------------------------------------------------
-# What UpdateStep takes from Keras 3.15 (training/keras_internals.py): should one of these fail after a Keras
+# What UpdateStep takes from Keras 3.15 (keras_transformer/keras_internals.py): should one of these fail after a Keras
 # upgrade, the behaviour it names changed, and the adapter with it.
 
 KERAS_APPLY_SCRIPT = """
 from training.distribute import split_cpu
 split_cpu(2)
 import keras, tensorflow as tf
-from training.keras_internals import apply_summed_gradients
+from keras_transformer.keras_internals import apply_summed_gradients
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 for summed in (False, True):
     with strategy.scope():

@@ -20,7 +20,7 @@ from export.tokenizer import decode_output, encode_source
 from export.translate import translate_lines
 from keras_transformer.text import END_ID, START_ID
 from training.errors import BackupError
-from training.keras_internals import BackupAndRestoreState
+from keras_transformer.keras_internals import BackupAndRestoreState
 from training.update import UpdateStep
 
 

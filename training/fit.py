@@ -31,7 +31,7 @@ from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from training.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
+from keras_transformer.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
 from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy

@@ -21,7 +21,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from training.keras_internals import apply_summed_gradients, loss_tracker, no_step_without_data, rank1_step_logs
+from keras_transformer.keras_internals import (apply_summed_gradients, loss_tracker, no_step_without_data,
+                                              rank1_step_logs)
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -87,7 +88,7 @@ class UpdateStep:
     def install(cls, model, **kwargs) -> "UpdateStep":
         """Makes `model.fit` train with an `UpdateStep(model, **kwargs)` (and `evaluate` count its loss as the
         step does, `evaluate_step`), and work under the current strategy
-        as kt-train's fit does (`training.keras_internals`: `rank1_step_logs` under
+        as kt-train's fit does (`keras_transformer.keras_internals`: `rank1_step_logs` under
         MultiWorkerMirroredStrategy, `no_step_without_data`); returns the step."""
         step = cls(model, **kwargs)
         model.train_step = step
