@@ -84,7 +84,9 @@ endif
 # README's first command, Multi30k SRC->TGT end to end: train with CONFIG (configs/multi30k.json: small preset,
 # 22 epochs on any machine), average the last epoch checkpoints, score beam search on test_2016_flickr with
 # sacreBLEU, and export the averaged model for TF Serving. `make train SRC=de TGT=en` for German->English;
-# `make train CONFIG=configs/multi30k-best.json` for the best recipe (runs/multi30k-best-en-de). How many
+# `make train CONFIG=configs/multi30k-best.json` for the best recipe (runs/multi30k-best-en-de);
+# `make train CONFIG=configs/wmt14-base.json` (or wmt14-big.json) for the paper's WMT14 English-German, by
+# updates (TFDS downloads and prepares wmt14_translate, kt-train prepares it into the run). How many
 # checkpoints are averaged, the beam and alpha come from the config (average_last, beam_size, alpha); AVG, BEAM
 # and ALPHA on the make line override them. Run it again after an interruption: training resumes from its
 # backup, and a run whose model.keras exists is not trained again.
@@ -102,11 +104,16 @@ TEST ?=
 PREPARED ?= $(if $(TRAIN),$(RUN)/prepared)
 # kt-prepare's --train-files for TRAIN's files, taken two by two.
 TRAIN_PAIRS = $(foreach i,$(shell seq 1 2 $(words $(TRAIN))),--train-files $(word $(i),$(TRAIN)) $(word $(shell echo $$(($(i) + 1))),$(TRAIN)))
-TEST_FLAGS = $(if $(TEST),--source-file $(word 1,$(TEST)) --references $(word 2,$(TEST)),--split test_2016_flickr)
+# Without TEST, kt-evaluate scores the test split of the dataset trained on: Multi30k's test_2016_flickr, a TFDS
+# corpus's test split (wmt14_translate: newstest2014).
+TEST_FLAGS = $(if $(TEST),--source-file $(word 1,$(TEST)) --references $(word 2,$(TEST)))
 RECIPE := $(basename $(notdir $(CONFIG)))
 RUN_NAME := $(if $(filter multi30k,$(RECIPE)),,$(RECIPE)-)$(SRC)-$(TGT)
 RUN ?= runs/$(RUN_NAME)
 EXPORT ?= exports/$(notdir $(RUN))
+# More kt-train flags, after the config's settings, e.g. TRAIN_FLAGS="--tokens-per-replica 3125 --grad-accum 8"
+# (the paper's 25,000 tokens per update on one GPU).
+TRAIN_FLAGS ?=
 AVG ?=
 BEAM ?=
 ALPHA ?=
@@ -119,7 +126,7 @@ train: venv
 		$(if $(TRAIN),$(PY) -m training.prepare --config $(CONFIG) $(TRAIN_PAIRS) $(if $(VALID),--valid-files $(VALID)) \
 			--source-lang $(SRC) --target-lang $(TGT) --out $(PREPARED) &&) \
 		$(PY) -m training.train --config $(CONFIG) --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN) \
-			$(if $(PREPARED),--prepared $(PREPARED)) $(if $(VALID),--valid-files $(VALID)); \
+			$(if $(PREPARED),--prepared $(PREPARED)) $(if $(VALID),--valid-files $(VALID))$(if $(TRAIN_FLAGS), $(TRAIN_FLAGS)); \
 	fi
 	$(PY) -m training.average_checkpoints --model-dir $(RUN) $(if $(AVG),--last $(AVG))
 	$(PY) -m training.evaluate --model-dir $(RUN) --model-file $(RUN)/averaged.keras $(TEST_FLAGS) $(SEARCH_FLAGS)

@@ -44,7 +44,12 @@ _SENTENCEPIECE_OPTIONS = {
 # ----------------------------------------------------------------- vocabulary
 
 
-def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, model_type: str = "unigram",
+# sentencepiece's model types the project trains: its unigram language model (the default), and byte-pair
+# encoding, the paper's (Sennrich et al., 2016).
+VOCAB_TYPES = ("unigram", "bpe")
+
+
+def train_sentencepiece(sentences, vocab_size: int = DEFAULT_VOCAB_SIZE, *, model_type: str = VOCAB_TYPES[0],
                         input_sentence_size: int = 2_000_000, seed_sentencepiece_size: int = 1_000_000,
                         hard_vocab_limit: bool = False, lowercase: bool = False,
                         num_threads: int | None = None) -> bytes:

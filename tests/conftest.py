@@ -617,3 +617,30 @@ def wait_all(procs, timeout):
                 p.kill()
                 p.wait(30)
             log.close()
+
+
+# A Python for `make` (PY=...) that runs `-m MODULE ARGS...` under TFDS' own mock data
+# (`tfds.testing.mock_data`): TFDS' reading code on generated examples, no download. Its arguments after the
+# script: the examples per split, then `-m MODULE ARGS...` as make passes them.
+MOCK_TFDS_PYTHON = r"""
+import runpy, sys
+import tensorflow_datasets as tfds
+
+examples, flag, module, *args = sys.argv[1:]
+assert flag == "-m", sys.argv
+sys.argv = [module, *args]
+code = 0
+with tfds.testing.mock_data(num_examples=int(examples)):
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+sys.exit(code)
+"""
+
+
+def mock_tfds_python(tmp_path, examples: int = 120) -> str:
+    """`PY=...` for `make`: this interpreter running `MOCK_TFDS_PYTHON` with `examples` per split."""
+    script = tmp_path / "mock_tfds_python.py"
+    script.write_text(MOCK_TFDS_PYTHON, encoding="utf-8")
+    return f"{sys.executable} {script} {examples}"

@@ -563,3 +563,57 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     with ignoring_ran_out_of_data():  # bucketed batches, as in kt-train
         single_loss = model.evaluate(single, verbose=0, return_dict=True)["loss"]
     assert single_loss == pytest.approx(val_loss, rel=1e-5)
+
+
+@needs_multi30k
+def test_a_run_by_updates_checkpoints_validates_and_averages_every_n_updates(tmp_path, capsys):
+    """--checkpoint-every 3 --max-updates 10 with 2 batches per update: a checkpoint named by its update after
+    updates 3, 6 and 9 and at the end (10), a history.csv row with a validation loss for each span of 3 updates,
+    and kt-average-checkpoints --last 2 averaging the last two update checkpoints (--best refused: it ranks
+    epochs)."""
+    import keras
+    import numpy as np
+
+    from training.average_checkpoints import main as average
+    from training.fit import train
+
+    run = tmp_path / "run"
+    args = two_batch_epochs_args(tmp_path, run)
+    for flag in ("--steps-per-epoch", "--no-validation"):
+        i = args.index(flag)
+        del args[i:i + (2 if flag == "--steps-per-epoch" else 1)]
+    valid = [str(write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 20))) for lang in ("en", "de")]
+    summary = train(resolve_config(args + ["--valid-files", *valid, "--grad-accum", "2", "--checkpoint-every", "3",
+                                           "--max-updates", "10"]))
+    assert summary["optimizer_steps"] == 10 and summary["stopped_by_max_updates"]
+    assert "a checkpoint and the validation every 3 updates (--checkpoint-every)" in capsys.readouterr().out
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert checkpoints == [f"update-{u:07d}.weights.h5" for u in (3, 6, 9, 10)]
+    rows = history_rows(run)
+    assert len(rows) == 4 and all(float(row["val_loss"]) > 0 for row in rows)
+
+    out = tmp_path / "avg.keras"
+    assert average(["--model-dir", str(run), "--last", "2", "--output", str(out)]) == 0
+    assert "update-0000009.weights.h5, update-0000010.weights.h5 ->" in capsys.readouterr().out
+    model = keras.models.load_model(run / "model.keras", compile=False)
+    last_two = []
+    for u in (9, 10):
+        model.load_weights(run / "checkpoints" / f"update-{u:07d}.weights.h5")
+        last_two.append(model.get_weights())
+    assert max(float(np.abs(a - b).max()) for a, b in zip(*last_two)) > 0  # the two checkpoints differ
+    for a, b, m in zip(*last_two, keras.models.load_model(out, compile=False).get_weights()):
+        np.testing.assert_allclose(m, (a.astype(np.float64) + b) / 2, rtol=1e-6, atol=1e-7)
+    assert average(["--model-dir", str(run), "--best", "2"]) == 2
+    assert "--best ranks epoch checkpoints" in capsys.readouterr().err
+
+
+def test_a_run_by_updates_needs_its_length_in_updates():
+    from training.config import check_settings
+    from training.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-updates N"):
+        check_settings(resolve_config(["--checkpoint-every", "100"]))
+    with pytest.raises(ConfigError, match="drop --steps-per-epoch"):
+        check_settings(resolve_config(["--checkpoint-every", "100", "--max-updates", "1000", "--steps-per-epoch", "5"]))
+    with pytest.raises(ConfigError, match="--checkpoint-every"):
+        check_settings(resolve_config(["--checkpoint-every", "0", "--max-updates", "1000"]))

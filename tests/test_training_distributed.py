@@ -131,6 +131,40 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
         f"epoch-{e:03d}.weights.h5" for e in range(1, last_epoch + 1)]
 
 
+@needs_multi30k
+def test_a_run_by_updates_killed_mid_span_resumes_and_checkpoints_at_the_same_updates(tmp_path):
+    """kt-train --checkpoint-every 30 --max-updates 75, killed between its checkpoints at updates 30 and 60
+    (a backup every 5 updates): the same command resumes from the backup's update, writes its checkpoints at
+    updates 60 and 75 (the end), not 30 updates after the resume, and stops at update 75."""
+    src, tgt = _small_corpus(tmp_path)
+    model_dir = tmp_path / "run"
+    every = 30
+    cmd = _train_cmd(model_dir, src, tgt, "--checkpoint-every", str(every), "--max-updates", "75",
+                     "--backup-every", "5")
+    meta_path = model_dir / "backup" / "training_metadata.json"
+    with open(tmp_path / "run1.log", "w") as log1:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=log1, stderr=subprocess.STDOUT)
+        try:
+            _wait_for_mid_epoch_2(meta_path, [proc], 180, tmp_path / "run1.log")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    killed_at = _read_meta(meta_path)
+    assert killed_at["epoch"] == 1 and 0 < killed_at["batch"] < every - 1, killed_at  # between updates 30 and 60
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["update-0000030.weights.h5"]
+
+    proc2 = subprocess.run(cmd, cwd=REPO, env=distributed_env(), capture_output=True, text=True, timeout=600)
+    out = proc2.stdout + proc2.stderr
+    assert proc2.returncode == 0, out[-3000:]
+    assert [r[2] for r in _resumes(out)] == [killed_at["step"]], out[-3000:]
+    summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
+    assert summary["optimizer_steps"] == 75 and summary["stopped_by_max_updates"]
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == [
+        f"update-{u:07d}.weights.h5" for u in (30, 60, 75)]
+
+
 # ---------------------------------------------------------------------------
 # 2. MultiWorkerMirroredStrategy: two local worker processes.
 

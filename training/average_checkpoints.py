@@ -1,12 +1,15 @@
-"""Average the weights of the last N epoch checkpoints into one model (the paper
-averaged the last 5 checkpoints for its base models), or of the N best by a
-validation score that kt-train recorded in history.csv.
+"""Average the weights of the last N checkpoints into one model (the paper
+averaged the last 5 checkpoints for its base models, the last 20 for its big
+ones), or of the N best epoch checkpoints by a validation score that kt-train
+recorded in history.csv.
 
     python -m training.average_checkpoints --model-dir runs/en-de --last 5
     python -m training.average_checkpoints --model-dir runs/en-de --best 5              # lowest val_loss
     python -m training.average_checkpoints --model-dir runs/en-de --best 5 --by val_bleu  # kt-train --val-bleu
 
 Reads MODEL_DIR/checkpoints/epoch-NNN.weights.h5 (written by training.train),
+or, from a run by updates (kt-train --checkpoint-every), its
+update-NNNNNNN.weights.h5 in update order; --best ranks epoch checkpoints only,
 writes MODEL_DIR/averaged.keras (evaluate it with
 `python -m training.evaluate --model-dir runs/en-de --model-file runs/en-de/averaged.keras`).
 It also works while kt-train is still running, or after a run was stopped before it wrote model.keras: the
@@ -30,11 +33,12 @@ import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
 from export.translator import load_or_build_model, read_config_or_exit, recorded_setting  # noqa: E402
-from training.config import CHECKPOINT_DIR  # noqa: E402
+from training.config import CHECKPOINT_DIR, UPDATE_CHECKPOINT_PATTERN  # noqa: E402
 
 # The paper averaged the last 5 checkpoints of its base models.
 DEFAULT_LAST = 5
 _EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
+_UPDATE = re.compile(r"update-(\d+)\.weights\.h5$")  # not the staged update-NNNNNNN.tmp.weights.h5
 
 
 def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:
@@ -43,9 +47,16 @@ def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name)))
 
 
+def update_checkpoints(model_dir) -> list[tuple[int, Path]]:
+    """(update, path) of each checkpoint a run by updates wrote (`UPDATE_CHECKPOINT_PATTERN`), in update order."""
+    d = Path(model_dir) / CHECKPOINT_DIR
+    return sorted((int(m.group(1)), p) for p in d.glob(UPDATE_CHECKPOINT_PATTERN.split("{")[0] + "*.weights.h5")
+                  if (m := _UPDATE.search(p.name)))
+
+
 def list_checkpoints(model_dir) -> list[Path]:
-    """Epoch checkpoints in epoch order."""
-    return [path for _, path in epoch_checkpoints(model_dir)]
+    """A run by updates' checkpoints in update order, else the epoch checkpoints in epoch order."""
+    return [path for _, path in update_checkpoints(model_dir) or epoch_checkpoints(model_dir)]
 
 
 # For each score, whether a higher value is better.
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     choice = p.add_mutually_exclusive_group()
-    choice.add_argument("--last", type=int, help="average the last N epoch checkpoints (default: the N that "
+    choice.add_argument("--last", type=int, help="average the last N checkpoints (default: the N that "
                         f"kt-train --average-last recorded in config.json, else {DEFAULT_LAST})")
     choice.add_argument("--best", type=int, metavar="N",
                         help="average the N epoch checkpoints with the best validation score instead (see --by)")
@@ -113,7 +124,12 @@ def main(argv=None) -> int:
     args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_LAST)
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
-        print(f"kt-average-checkpoints: error: no epoch checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",
+        print(f"kt-average-checkpoints: error: no checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",
+              file=sys.stderr)
+        return 2
+    if args.best is not None and update_checkpoints(args.model_dir):
+        print("kt-average-checkpoints: error: --best ranks epoch checkpoints by history.csv's rows; this run wrote "
+              "checkpoints by updates (kt-train --checkpoint-every): average the last N with --last N",
               file=sys.stderr)
         return 2
     wanted = args.best if args.best is not None else args.last

@@ -10,8 +10,10 @@ import os
 import shutil
 import statistics
 import time
+from pathlib import Path
 
 import keras
+import numpy as np
 import tensorflow as tf
 from sacrebleu.metrics import BLEU
 
@@ -19,6 +21,7 @@ import keras_transformer as kt
 from export.tokenizer import decode_output, encode_source
 from export.translate import translate_lines
 from keras_transformer.text import END_ID, START_ID
+from training.config import UPDATE_CHECKPOINT_PATTERN
 from training.errors import BackupError
 from keras_transformer.keras_internals import BackupAndRestoreState
 from training.update import UpdateStep
@@ -196,6 +199,50 @@ def accumulated_batches(model) -> int:
     """Batches accumulated towards `model`'s next update (its `UpdateStep`'s; 0 without one)."""
     step = inspect.unwrap(model.train_step)
     return step.pending() if isinstance(step, UpdateStep) else 0
+
+
+class UpdateCheckpoint(keras.callbacks.Callback):
+    """Saves the weights after every `every`-th optimizer update, as `directory/update-NNNNNNN.weights.h5`
+    (fairseq's `--save-interval-updates`), for `kt-average-checkpoints --last N`.
+
+    Named by the update, not the epoch: a run resumed from a backup taken in the middle of an epoch
+    still writes its checkpoints at the same updates (Keras replays that epoch from its start, so epoch
+    boundaries move, but update counts do not: the optimizer's own count, which a backup restores, and
+    which counts accumulated batches once). Each file is written under a temporary name and renamed into
+    place, so a kill never leaves a cut checkpoint for averaging to read.
+    """
+
+    def __init__(self, directory, every: int):
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.directory, self.every = Path(directory), every
+        self.saved_at = None
+
+    def on_train_begin(self, logs=None):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.saved_at = optimizer_updates(self.model)  # a resumed run's start was saved by the run before
+
+    def on_train_batch_end(self, batch, logs=None):
+        updates = optimizer_updates(self.model)
+        if updates % self.every or updates == self.saved_at or accumulated_batches(self.model):
+            return
+        self.save(updates)
+
+    def on_train_end(self, logs=None):
+        # The run's last state, as fairseq saves its last checkpoint: what a finished run is continued from
+        # when --max-updates is raised.
+        updates = optimizer_updates(self.model)
+        finite = all(bool(np.isfinite(keras.ops.convert_to_numpy(w)).all()) for w in self.model.weights)
+        if updates != self.saved_at and finite:  # not the weights a NaN loss stopped the run with
+            self.save(updates)
+
+    def save(self, updates: int) -> None:
+        self.saved_at = updates
+        path = self.directory / UPDATE_CHECKPOINT_PATTERN.format(update=updates)
+        staged = path.with_name(f"{path.name[:-len('.weights.h5')]}.tmp.weights.h5")  # Keras wants the suffix
+        self.model.save_weights(str(staged))
+        os.replace(staged, path)
 
 
 class UpdateBudget(keras.callbacks.Callback):

@@ -13,11 +13,13 @@ import os
 from pathlib import Path
 
 from export.translator import CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
-from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID
+from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
 from training.errors import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
+# With --checkpoint-every N: a checkpoint every N optimizer updates, named by the update it was taken after.
+UPDATE_CHECKPOINT_PATTERN = "update-{update:07d}.weights.h5"
 
 # Training settings and their defaults (a JSON config file may set any of these,
 # plus "model": {Transformer constructor overrides}).
@@ -37,6 +39,7 @@ DEFAULTS = {
     "tokenizer": None,
     "init_from": None,
     "vocab_size": 8000,
+    "vocab_type": VOCAB_TYPES[0],
     "vocab_sample": 2_000_000,
     "lowercase": False,
     "tokens_per_batch": 4096,
@@ -51,6 +54,7 @@ DEFAULTS = {
     "global_clipnorm": None,
     "epochs": 10,
     "max_updates": None,
+    "checkpoint_every": None,
     "max_minutes": None,
     "steps_per_epoch": None,
     "validation": True,
@@ -77,7 +81,8 @@ DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
 
 Writes to --model-dir: tokenizer.model (sentencepiece proto), config.json
 (langs, ids, vocabulary, model and training settings), model.keras (final
-model), checkpoints/epoch-NNN.weights.h5 (one per epoch, for averaging),
+model), checkpoints/epoch-NNN.weights.h5 (one per epoch, for averaging; with
+--checkpoint-every N, checkpoints/update-NNNNNNN.weights.h5 every N updates),
 backup/ (BackupAndRestore, removed when training finishes), logs/
 (TensorBoard) and history.csv.
 """
@@ -119,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer and batches")
     g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
     g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
+    g.add_argument("--vocab-type", choices=VOCAB_TYPES,
+                   help="the vocabulary's sentencepiece model: unigram (default) or bpe (byte-pair encoding, the "
+                   "paper's)")
     g.add_argument("--vocab-sample", type=int, metavar="LINES",
                    help="train the vocabulary on a uniform random sample of this many lines of all the training "
                    "text, both sides, drawn by --seed (default 2,000,000; a smaller corpus is used whole)")
@@ -147,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-updates", type=int, metavar="N",
                    help="stop after N optimizer updates, in the middle of an epoch if need be (fairseq's "
                    "--max-update): a recipe defined by work; a resumed run stops at the same update")
+    g.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="a recipe by updates (fairseq's --save-interval-updates): every N updates a checkpoint "
+                   "(checkpoints/update-NNNNNNN.weights.h5, which kt-average-checkpoints --last averages), the "
+                   "validation loss, a history.csv row and, by default, a backup, instead of once per pass over "
+                   "the corpus; needs --max-updates, the run's length (Keras' progress calls each N updates an "
+                   "epoch; --epochs is not used)")
     g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
     g.add_argument("--max-minutes", type=float,
                    help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
@@ -226,12 +240,21 @@ def check_settings(cfg) -> None:
     at_least_one = {"epochs": "--epochs", "max_updates": "--max-updates", "average_last": "--average-last",
                     "beam_size": "--beam-size", "grad_accum": "--grad-accum", "tokens_per_replica": "--tokens-per-replica",
                     "tokens_per_batch": "--tokens-per-batch", "backup_every": "--backup-every",
+                    "checkpoint_every": "--checkpoint-every",
                     "vocab_sample": "--vocab-sample"}
     for key, flag in at_least_one.items():
         if cfg.get(key) is not None and not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
     if cfg.get("epochs") is None and cfg.get("max_updates") is None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
+    if cfg.get("vocab_type", VOCAB_TYPES[0]) not in VOCAB_TYPES:
+        raise ConfigError(f"vocab_type (--vocab-type) must be one of {', '.join(VOCAB_TYPES)}, got {cfg['vocab_type']!r}")
+    if cfg.get("checkpoint_every"):
+        if cfg.get("max_updates") is None:
+            raise ConfigError("--checkpoint-every (checkpoint_every) counts updates: the run's length is then "
+                              "--max-updates N (max_updates), which is not set")
+        if cfg.get("steps_per_epoch"):
+            raise ConfigError("--checkpoint-every sets the span between checkpoints: drop --steps-per-epoch")
     if cfg.get("prepared"):
         clashes = {"subword_sampling": "--subword-sampling: it draws each sentence's segmentation anew every "
                    "epoch, from its text, and a prepared corpus holds token ids; train from text "

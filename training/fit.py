@@ -24,8 +24,8 @@ from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME, read_config
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
 from export.tokenizer import make_tokenizer
-from training.average_checkpoints import epoch_checkpoints
-from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, ValidationBLEU
+from training.average_checkpoints import epoch_checkpoints, update_checkpoints
+from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
 from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, batch_plan, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
@@ -123,7 +123,8 @@ def prepare_into_run(cfg, model_dir: Path, is_chief: bool) -> dict:
             _check_lowercase(cfg, lowercases(proto), what, whose)
             argv += ["--tokenizer", str(given)]
         else:
-            argv += ["--vocab-size", str(cfg["vocab_size"]), "--vocab-sample", str(cfg["vocab_sample"])]
+            argv += ["--vocab-size", str(cfg["vocab_size"]), "--vocab-type", cfg["vocab_type"],
+                     "--vocab-sample", str(cfg["vocab_sample"])]
             argv += ["--lowercase"] if cfg.get("lowercase") else []
         if not cfg["check_alignment"]:
             argv += ["--no-alignment-check"]
@@ -187,7 +188,8 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
             yield line
 
     try:
-        proto = train_sentencepiece(counted(), cfg["vocab_size"], input_sentence_size=cfg["vocab_sample"],
+        proto = train_sentencepiece(counted(), cfg["vocab_size"], model_type=cfg["vocab_type"],
+                                    input_sentence_size=cfg["vocab_sample"],
                                     lowercase=bool(cfg.get("lowercase")))
     except ValueError as e:
         raise ConfigError(f"{e} (--vocab-size)") from e
@@ -197,7 +199,8 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
     folding = lowercases(proto)
     sample = (f"a uniform random sample of {cfg['vocab_sample']:,} of its {lines[0]:,} lines"
               if lines[0] > cfg["vocab_sample"] else f"all its {lines[0]:,} lines")
-    print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces"
+    print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces "
+          f"({cfg['vocab_type']})"
           f"{_folding(folding)}, trained on {sample} of training text, both sides, in {time.time() - t0:.1f} s)",
           flush=True)
     return proto, folding
@@ -300,7 +303,13 @@ def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
     """
     done = read_config(model_dir).get("last_run") or {}
     steps = done.get("optimizer_steps")
-    checkpoints = epoch_checkpoints(out_dir)
+    if cfg.get("checkpoint_every"):
+        # A run by updates: its last checkpoint is the one its end wrote (`UpdateCheckpoint.on_train_end`), and
+        # its spans of N updates are Keras' epochs.
+        checkpoints = [(-(-update // cfg["checkpoint_every"]), path) for update, path in update_checkpoints(out_dir)
+                       if update == steps]
+    else:
+        checkpoints = epoch_checkpoints(out_dir)
     epochs, last = checkpoints[-1] if checkpoints else (None, None)
     bounds = [(cfg.get("max_updates"), steps), (cfg.get("epochs"), epochs)]
     larger = [bool(done_so_far is not None and wanted > done_so_far) for wanted, done_so_far in bounds if wanted]
@@ -392,6 +401,11 @@ def train(cfg: dict, strategy=None) -> dict:
     batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=plan["tokens_per_replica"] * replicas,
                       num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
     steps = cfg["steps_per_epoch"]
+    if cfg.get("checkpoint_every"):
+        # A recipe by updates: Keras' epochs are spans of N updates over the repeated stream, each ending in the
+        # validation and a history row; the checkpoints follow the update count itself (`UpdateCheckpoint`).
+        steps = cfg["checkpoint_every"] * cfg["grad_accum"]
+        cfg = {**cfg, "epochs": None}
     alpha = cfg["subword_sampling"]
     train_tokenizer = make_tokenizer(proto, sampling_alpha=alpha) if alpha else tokenizer
     # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
@@ -409,11 +423,14 @@ def train(cfg: dict, strategy=None) -> dict:
 
         train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or num_workers > 1
                     else worker_batches())
-        steps = steps or steps_per_epoch(corpus, max_length=cfg["max_length"],
-                                         tokens_per_replica=plan["tokens_per_replica"], replicas=replicas)
+        one_pass = steps_per_epoch(corpus, max_length=cfg["max_length"],
+                                   tokens_per_replica=plan["tokens_per_replica"], replicas=replicas)
+        steps = steps or one_pass
+        span = (f"a pass over it is {one_pass // cfg['grad_accum']:,} updates; a checkpoint and the validation "
+                f"every {cfg['checkpoint_every']:,} updates (--checkpoint-every)" if cfg.get("checkpoint_every")
+                else f"an epoch is {steps // cfg['grad_accum']:,} updates")
         print(f"[kt-train] data: {corpus.directory} ({corpus.pairs:,} pairs in {len(corpus.shards)} shards; "
-              f"worker {task_index + 1}/{num_workers} reads {len(worker)}); an epoch is {steps:,} updates",
-              flush=True)
+              f"worker {task_index + 1}/{num_workers} reads {len(worker)}); {span}", flush=True)
     else:
         reason = text_reason(cfg)
         print(f"[kt-train] data: {spec.dataset}'s text, read into memory and tokenized every epoch ({reason}: "
@@ -495,8 +512,9 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
     callbacks = [val_bleu] if val_bleu is not None else []
     callbacks += [
         backup,
-        keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
-                                        save_weights_only=True, save_freq="epoch"),
+        (UpdateCheckpoint(out_dir / CHECKPOINT_DIR, cfg["checkpoint_every"]) if cfg.get("checkpoint_every") else
+         keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
+                                         save_weights_only=True, save_freq="epoch")),
         keras.callbacks.TensorBoard(log_dir=str(out_dir / "logs")),
         keras.callbacks.TerminateOnNaN(),
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),

@@ -38,7 +38,7 @@ quiet_import_for_commands(__name__)
 import numpy as np  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
-from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto,  # noqa: E402
+from keras_transformer.text import (VOCAB_TYPES, check_special_ids, lowercases, read_tokenizer_proto,  # noqa: E402
                                    train_sentencepiece, vocab_size_of)
 from training.errors import ConfigError, DataError  # noqa: E402
 from training.prepared import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME, file_sha256,  # noqa: E402
@@ -97,8 +97,8 @@ def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
             raise ConfigError(f"--tokenizer {args.tokenizer}: {e}") from None
         request = {"tokenizer": str(Path(args.tokenizer).resolve()), "sha256": file_sha256(args.tokenizer)}
     else:
-        request = {"vocab_size": args.vocab_size, "vocab_sample": args.vocab_sample, "lowercase": args.lowercase,
-                   "seed": args.seed, "corpora": [_corpus_request(c) for c in corpora]}
+        request = {"vocab_size": args.vocab_size, "vocab_type": args.vocab_type, "vocab_sample": args.vocab_sample,
+                   "lowercase": args.lowercase, "seed": args.seed, "corpora": [_corpus_request(c) for c in corpora]}
     if path.is_file() and record.is_file() and json.loads(record.read_text()) == request:
         _log(f"vocabulary: {path} (from an earlier run of this command)")
         return path.read_bytes()
@@ -118,13 +118,14 @@ def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
                     yield from tgt
 
         try:
-            proto = train_sentencepiece(text(), args.vocab_size, input_sentence_size=args.vocab_sample,
-                                        lowercase=args.lowercase)
+            proto = train_sentencepiece(text(), args.vocab_size, model_type=args.vocab_type,
+                                        input_sentence_size=args.vocab_sample, lowercase=args.lowercase)
         except ValueError as e:
             raise ConfigError(f"{e} (--vocab-size)") from e
         sample = (f"a uniform random sample of {args.vocab_sample:,} of its {lines[0]:,} lines"
                   if lines[0] > args.vocab_sample else f"all its {lines[0]:,} lines")
-        _log(f"vocabulary: {vocab_size_of(proto):,} pieces{', case-folding' if lowercases(proto) else ''}, "
+        _log(f"vocabulary: {vocab_size_of(proto):,} pieces ({args.vocab_type})"
+             f"{', case-folding' if lowercases(proto) else ''}, "
              f"trained on {sample}, both sides, in {time.time() - t0:.0f} s")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(proto)
@@ -229,7 +230,8 @@ def prepare(args) -> dict:
                "check_alignment": args.check_alignment, "validation": _validation(args),
                "vocabulary": ({"tokenizer": str(Path(args.tokenizer).resolve()),
                                "sha256": file_sha256(args.tokenizer)} if args.tokenizer else
-                              {"vocab_size": args.vocab_size, "vocab_sample": args.vocab_sample,
+                              {"vocab_size": args.vocab_size, "vocab_type": args.vocab_type,
+                               "vocab_sample": args.vocab_sample,
                                "lowercase": args.lowercase})}
     manifest_path = out / MANIFEST_FILENAME
     if manifest_path.is_file():
@@ -303,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kt-prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the directory to prepare (kt-train --prepared DIR reads it)")
-    p.add_argument("--config", help="a kt-train JSON config: its vocab_size, vocab_sample, lowercase and seed are "
+    p.add_argument("--config", help="a kt-train JSON config: its vocab_size, vocab_type, vocab_sample, lowercase and seed are "
                    "this command's defaults (the flags below override them)")
     p.add_argument("--train-files", nargs=2, action="append", metavar=("SOURCE", "TARGET"),
                    help="a parallel corpus: two line-aligned text files, plain or gzip (repeatable)")
@@ -319,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="an existing sentencepiece .model instead of training one")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                    help=f"joint subword vocabulary size (default {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--vocab-type", choices=VOCAB_TYPES, default=VOCAB_TYPES[0],
+                   help="sentencepiece's model: unigram (default) or bpe (byte-pair encoding, the paper's)")
     p.add_argument("--vocab-sample", type=int, default=DEFAULT_VOCAB_SAMPLE, metavar="LINES",
                    help="train the vocabulary on a uniform random sample of this many lines of all the corpora, "
                    f"both sides (default {DEFAULT_VOCAB_SAMPLE:,}); its memory and time grow with it")
@@ -334,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # kt-train settings (training.config.DEFAULTS' keys) that are kt-prepare's too.
-CONFIG_KEYS = ("vocab_size", "vocab_sample", "lowercase", "seed")
+CONFIG_KEYS = ("vocab_size", "vocab_type", "vocab_sample", "lowercase", "seed")
 
 
 def parse_args(argv=None):
