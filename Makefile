@@ -87,8 +87,9 @@ endif
 # `make train CONFIG=configs/multi30k-best.json` for the best recipe (runs/multi30k-best-en-de);
 # `make train CONFIG=configs/wmt14-base.json` (or wmt14-big.json) for the paper's WMT14 English-German, by
 # updates (TFDS downloads and prepares wmt14_translate, kt-train prepares it into the run). How many
-# checkpoints are averaged, the beam and alpha come from the config (average_last, beam_size, alpha); AVG, BEAM
-# and ALPHA on the make line override them. Run it again after an interruption: training resumes from its
+# checkpoints are averaged, the beam and the length penalty come from the config (average_last, beam_size,
+# length_penalty); AVG, BEAM and LENGTH_PENALTY on the make line override them (ALPHA, LENGTH_PENALTY's old name,
+# is still read as it). Run it again after an interruption: training resumes from its
 # backup, and a run whose model.keras exists is not trained again.
 #
 # Your own parallel text instead of Multi30k: TRAIN="train.en train.de" (any number of pairs of files, plain or
@@ -116,10 +117,11 @@ EXPORT ?= exports/$(notdir $(RUN))
 TRAIN_FLAGS ?=
 AVG ?=
 BEAM ?=
-ALPHA ?=
-SEARCH_FLAGS = $(if $(BEAM),--beam-size $(BEAM)) $(if $(ALPHA),--alpha $(ALPHA))
+LENGTH_PENALTY ?= $(ALPHA)
+SEARCH_FLAGS = $(if $(BEAM),--beam-size $(BEAM)) $(if $(LENGTH_PENALTY),--length-penalty $(LENGTH_PENALTY))
 
 train: venv
+	$(if $(ALPHA),@echo "make train: ALPHA is now LENGTH_PENALTY (read as such)")
 	@if [ -f $(RUN)/model.keras ]; then \
 		echo "make train: $(RUN)/model.keras exists, so its training is done (delete it, or set RUN, to train again)"; \
 	else \

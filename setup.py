@@ -11,7 +11,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["keras_transformer*", "training*", "export*"]),
+    packages=find_packages(include=["keras_transformer*", "common*", "training*", "export*"]),
     # The library (keras_transformer/) runs on any Keras 3 backend: JAX, PyTorch or TensorFlow. The backend is
     # the user's to install (the `jax` extra, a torch wheel, or the `tensorflow` extra); see the README.
     install_requires=[

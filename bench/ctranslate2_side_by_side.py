@@ -6,7 +6,7 @@ project dependency (`make bench-venv`, or
 
     # 1. Our SavedModel, decoding in float32 (project venv).
     .venv/bin/python -m export.export_model --model-dir runs/en-de --model-file runs/en-de/averaged.keras \\
-        --export-dir /tmp/ct2/ours32 --beam-size 4 --alpha 1.0 --precision float32
+        --export-dir /tmp/ct2/ours32 --beam-size 4 --length-penalty 1.0 --precision float32
     # 2. The same weights as a float32 CTranslate2 model, then checked token by token against ours.
     .venv-bench/bin/python bench/ctranslate2_side_by_side.py convert --model-dir runs/en-de \\
         --model-file runs/en-de/averaged.keras --output-dir /tmp/ct2/ct2-en-de
@@ -111,7 +111,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.native_logs import import_tensorflow_quietly  # noqa: E402
+from common.native_logs import import_tensorflow_quietly  # noqa: E402
 
 tf = import_tensorflow_quietly()
 
@@ -123,11 +123,12 @@ from bench.translate_worker import REPLY_PREFIX, parse_ct2_setting, parse_layout
 from export.translate import resolve_saved_model, translate_lines  # noqa: E402
 from export.engine_weights import engine_model  # noqa: E402
 from export.search import EXTRA_OUTPUT_LENGTH  # noqa: E402
-from export.translator import TOKENIZER_FILENAME, load_model_dir, tokenizer_path  # noqa: E402
+from common.run_dir import TOKENIZER_FILENAME, tokenizer_path  # noqa: E402
+from export.translator import load_model_dir  # noqa: E402
 from keras_transformer.embedding import positional_encoding  # noqa: E402
 from keras_transformer.residual import LAYER_NORM_EPSILON  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, read_lines  # noqa: E402
-from export.tokenizer import encode_source
+from common.tokenizer import encode_source
 
 # ctranslate2 is imported where it is used, so that `--help` runs in the project's virtualenv, which does not have
 # it (tests/test_bench_scripts.py runs every bench script's `--help` there).

@@ -48,7 +48,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.native_logs import import_tensorflow_quietly  # noqa: E402
+from common.native_logs import import_tensorflow_quietly  # noqa: E402
 
 tf = import_tensorflow_quietly()
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     from export.export_model import export
     from export.translate import translate_lines
-    from export.translator import read_config
+    from common.run_dir import read_config
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kt-bench-"))
     work.mkdir(parents=True, exist_ok=True)

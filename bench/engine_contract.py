@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     import keras_transformer as kt
     from export import search
     from export.engine_weights import engine_model
-    from export.tokenizer import decode_output
+    from common.tokenizer import decode_output
     from export.translator import GREEDY_PREFIX_SIGNATURE, GREEDY_SIGNATURE, IDS_SIGNATURE, N_BEST_SIGNATURE
     from export.translator import PREFIX_SIGNATURE, SAMPLE_SIGNATURE, TEXT_SIGNATURE, TOKENIZE_SIGNATURE
     from export.translator import Translator, load_model_dir

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
 
     import tensorflow as tf
 
-    from export.tokenizer import make_tokenizer
+    from common.tokenizer import make_tokenizer
     from training.prepared import open_prepared, prepared_dataset, steps_per_epoch
 
     corpus = open_prepared(args.prepared)

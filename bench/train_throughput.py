@@ -24,7 +24,7 @@ Two replicas = two logical CPU devices sharing the same cores.
 compare what an epoch of one recipe costs against another's; `--rounds N`
 alternates all configurations N times, as this machine's speed drifts.
 
-`--r-drop ALPHA ...` measures each configuration with kt-train's `--r-drop ALPHA` (0: off): R-Drop's loss,
+`--r-drop WEIGHT ...` measures each configuration with kt-train's `--r-drop WEIGHT` (0: off): R-Drop's loss,
 and every sentence twice in its batch, as `make_batches(copies=2)` makes them. The token budget counts
 each pair once (as kt-train's does), so target tokens per second count the sentences learned from, and the
 ratio of two median steps is what R-Drop costs an update.
@@ -124,7 +124,7 @@ def worker(args) -> dict:
     cfg = dict(DEFAULTS, preset=args.preset or DEFAULTS["preset"], model={})
     if args.config_file:
         cfg.update(recipe_settings(args.config_file))
-    cfg["r_drop"] = args.r_drop_alpha or None
+    cfg["r_drop"] = args.r_drop_weight or None
     with strategy.scope():
         model = build_and_compile(cfg, args.vocab_size)
     batch = args.tokens_per_batch // args.length
@@ -141,7 +141,7 @@ def worker(args) -> dict:
     target_tokens = batch * args.length
     return {
         "preset": args.config_file or args.preset, "precision": policy, "replicas": args.replicas,
-        "r_drop": args.r_drop_alpha,
+        "r_drop": args.r_drop_weight,
         "batch": f"{len(src)}x{args.length}", "target_tokens_per_step": target_tokens,
         "median_step_s": round(median, 4), "target_tokens_per_s": round(target_tokens / median, 1),
         "steps_timed": len(timed), "params": model.count_params(),
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 small, 2 base/big)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 small, 4 base/big)")
-    p.add_argument("--r-drop", nargs="+", type=float, default=[0.0], metavar="ALPHA",
-                   help="measure with kt-train's --r-drop ALPHA too (0: off; default: 0 only)")
+    p.add_argument("--r-drop", nargs="+", type=float, default=[0.0], metavar="WEIGHT",
+                   help="measure with kt-train's --r-drop WEIGHT too (0: off; default: 0 only)")
     p.add_argument("--json", help="also write the results here")
     # internal: one configuration
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     p.add_argument("--config-file", help=argparse.SUPPRESS)
-    p.add_argument("--r-drop-alpha", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--r-drop-weight", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -198,23 +198,23 @@ def main(argv=None) -> int:
             steps = args.steps if args.steps is not None else (4 if heavy else 10)
             vocab_size = settings.get("vocab_size", args.vocab_size)
             tokens_per_batch = settings.get("tokens_per_batch", args.tokens_per_batch)
-            for precision, replicas, alpha in itertools.product(args.precisions, args.replica_counts, args.r_drop):
+            for precision, replicas, weight in itertools.product(args.precisions, args.replica_counts, args.r_drop):
                 cmd = [sys.executable, __file__, "--worker", model_flag, name, "--precision", precision,
                        "--replicas", str(replicas), "--warmup", str(warmup), "--steps", str(steps),
                        "--tokens-per-batch", str(tokens_per_batch), "--length", str(args.length),
-                       "--vocab-size", str(vocab_size), "--r-drop-alpha", str(alpha)]
-                r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas} r-drop {alpha:g}")
+                       "--vocab-size", str(vocab_size), "--r-drop-weight", str(weight)]
+                r, seconds = run_worker(cmd, env, f"{name} {precision} x{replicas} r-drop {weight:g}")
                 if r is None:
                     continue
                 r.update(wall_s=round(seconds, 1), round=round_)
                 results.append(r)
-                print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas} r-drop={alpha:g}  "
+                print(f"round {round_}  {name:5s} {r['precision']:14s} replicas={replicas} r-drop={weight:g}  "
                       f"{r['target_tokens_per_s']:9.1f} target tok/s  (median step {r['median_step_s']:.3f}s, "
                       f"batch {r['batch']}, {r['wall_s']}s wall)", flush=True)
 
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
           f"total {time.time() - t_start:.0f}s\n")
-    print("| round | model | precision | replicas | R-Drop alpha | parameters | batch (sentences x tokens) "
+    print("| round | model | precision | replicas | R-Drop weight | parameters | batch (sentences x tokens) "
           "| median step (s) | target tokens/s |")
     print("|---|---|---|---|---|---:|---|---|---|")
     for r in results:

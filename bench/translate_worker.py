@@ -118,7 +118,7 @@ def ours_translator(args):
     """(batch, request) -> translations through the request's signature of the SavedModel, and a description."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from export.native_logs import import_tensorflow_quietly
+    from common.native_logs import import_tensorflow_quietly
 
     tf = import_tensorflow_quietly()
     # Before any op runs: TensorFlow fixes its thread pools when it first executes.

@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
+from common.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 import tensorflow as tf  # noqa: E402
@@ -38,8 +38,9 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
-from export.translator import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
-from export.translator import read_config_or_exit, recorded_setting  # noqa: E402
+from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
+from common.run_dir import read_config_or_exit  # noqa: E402
+from export.translator import recorded_setting  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -77,8 +78,9 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
            use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto",
            no_repeat_ngram_size=0) -> Path:
-    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `parallel_loops`: see `decode_loops`;
-    `no_repeat_ngram_size`: see `Translator`."""
+    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `alpha`: the length penalty's exponent (Wu et al.,
+    2016; kt-export's --length-penalty); `parallel_loops`: see `decode_loops`; `no_repeat_ngram_size`: see
+    `Translator`."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
     version = next_version(base) if version is None else int(version)
@@ -115,8 +117,11 @@ def build_parser():
     p.add_argument("--model-file", help="another .keras file in place of MODEL_DIR/model.keras (e.g. averaged)")
     p.add_argument("--beam-size", type=int, help="beam size of serving_default (default: the one kt-train --beam-size "
                    f"recorded in config.json, else {DEFAULT_BEAM_SIZE})")
-    p.add_argument("--alpha", type=float, help="length penalty exponent (default: the one kt-train --alpha recorded "
-                   f"in config.json, else {DEFAULT_ALPHA})")
+    p.add_argument("--length-penalty", type=float, metavar="A",
+                   help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one kt-train "
+                   f"--length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
+    # The old name of --length-penalty, still read (with a note): see main.
+    p.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -156,23 +161,28 @@ def main(argv=None) -> int:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
         parser.error(f"--parallel-loops must be a number >= 1 or auto, got {args.parallel_loops!r}")
+    if args.deprecated_alpha is not None:
+        if args.length_penalty is not None:
+            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
+        args.length_penalty = args.deprecated_alpha
+        print("kt-export: --alpha is now --length-penalty (read as such)", file=sys.stderr)
     config = read_config_or_exit(args.model_dir, "kt-export")
     args.beam_size = recorded_setting(config, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
-    args.alpha = recorded_setting(config, "alpha", args.alpha, DEFAULT_ALPHA)
+    args.length_penalty = recorded_setting(config, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
     t0 = time.time()
     policy, reason = decode_policy(args.precision)
     print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)
     print(f"kt-export: {loops} decoding loop{'s' if loops > 1 else ''} per batch: {loops_reason}.", flush=True)
     try:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
-                      model_file=args.model_file, beam_size=args.beam_size, alpha=args.alpha,
+                      model_file=args.model_file, beam_size=args.beam_size, alpha=args.length_penalty,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
                       xla_max_batch=args.xla_max_batch, parallel_loops=loops,
                       no_repeat_ngram_size=args.no_repeat_ngram_size)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2
-    print(f"Exported {path} in {time.time() - t0:.1f}s (beam {args.beam_size}, alpha {args.alpha}, "
+    print(f"Exported {path} in {time.time() - t0:.1f}s (beam {args.beam_size}, length penalty {args.length_penalty}, "
           f"{'cached' if args.use_cache else 'uncached'} decoding). Serve it with:\n"
           f"  tensorflow_model_server --rest_api_port=8501 --port=8500 --model_name={args.name} "
           f"--model_base_path={path.parent.resolve()}"

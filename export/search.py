@@ -117,7 +117,7 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
-        alpha: length-penalty exponent (0.6 in the paper).
+        alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the paper).
         max_length: most output tokens; by default source length + 50.
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
         prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.

@@ -29,9 +29,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
+from common.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 import tensorflow as tf  # noqa: E402

@@ -95,27 +95,22 @@ tracks exactly the variables its concrete functions capture (what
 from __future__ import annotations
 
 import functools
-import json
 import os
-import sys
 from pathlib import Path
 
 import keras
 import tensorflow as tf
 
+from common.run_dir import MODEL_FILENAME, load_or_build_model, read_config, tokenizer_path
+from common.tokenizer import decode_output, make_tokenizer, source_from_pieces
 from export.engine_weights import engine_model
 from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
-from export.tokenizer import decode_output, make_tokenizer, source_from_pieces
-import keras_transformer as kt
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
 
-# The files of a model directory.
-CONFIG_FILENAME = "config.json"
-MODEL_FILENAME = "model.keras"
-TOKENIZER_FILENAME = "tokenizer.model"
+# The export's signatures (a model directory's files: common/run_dir.py).
 
 TEXT_SIGNATURE = "serving_default"
 GREEDY_SIGNATURE = "greedy"
@@ -135,39 +130,28 @@ XLA_LENGTH_MULTIPLE = 16
 XLA_DTYPE = "float32"
 
 
-# ------------------------------------------------------------ model directory
-
-
-def read_config(model_dir) -> dict:
-    """A model directory's config.json; a clear error if it is not one."""
-    path = Path(model_dir) / CONFIG_FILENAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {model_dir} a directory written by kt-train?")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def read_config_or_exit(model_dir, command: str) -> dict:
-    """`read_config` for a command line tool: a missing config.json prints one line naming `command` and the
-    directory, and exits with status 2 (as argparse does for a bad argument)."""
-    try:
-        return read_config(model_dir)
-    except FileNotFoundError as e:
-        print(f"{command}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+# ------------------------------------------------------------ model directory (its format: common/run_dir.py)
 
 
 # The search settings of kt-evaluate and kt-export when neither the command line nor the run's config.json
-# (kt-train's --beam-size and --alpha) sets them.
+# (kt-train's --beam-size and --length-penalty) sets them.
 DEFAULT_BEAM_SIZE = 4
-DEFAULT_ALPHA = 0.6
+DEFAULT_LENGTH_PENALTY = 0.6
+
+# The names under which runs trained before a rename recorded a setting in config.json: {name: old name}.
+RECORDED_OLD_NAMES = {"length_penalty": "alpha"}
 
 
 def recorded_setting(config: dict, key: str, given=None, default=None):
     """`given` (a command-line value) if it is not None, else what kt-train recorded for the commands
-    that follow it (config.json's "training": "beam_size", "alpha", "average_last"), else `default`."""
+    that follow it (config.json's "training": "beam_size", "length_penalty", "average_last"; an older
+    run's "alpha" for "length_penalty"), else `default`."""
     if given is not None:
         return given
-    recorded = config.get("training", {}).get(key)
+    training = config.get("training", {})
+    recorded = training.get(key)
+    if recorded is None and key in RECORDED_OLD_NAMES:
+        recorded = training.get(RECORDED_OLD_NAMES[key])
     return default if recorded is None else recorded
 
 
@@ -195,25 +179,6 @@ def load_model_dir(model_dir, model_file=None, weights=None):
         model.load_weights(weights)
     tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
     return model, tokenizer, config
-
-
-def load_or_build_model(model_dir, config):
-    """MODEL_DIR/model.keras, or, while kt-train is still running (or after it was stopped, before it wrote
-    model.keras), a new, built model of the architecture and dtype policy `config` (its config.json) records,
-    for a checkpoint's weights. `FileNotFoundError` when there is neither."""
-    path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
-    if path.is_file():
-        return keras.models.load_model(path, compile=False)
-    if "model_config" not in config:
-        raise FileNotFoundError(f"{path} not found, and {Path(model_dir) / CONFIG_FILENAME} records no "
-                                "model_config to build the model from")
-    model = kt.Transformer.from_config({**config["model_config"], "dtype": config.get("dtype_policy")})
-    model.build()
-    return model
-
-
-def tokenizer_path(model_dir, config) -> Path:
-    return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
 
 
 # ------------------------------------------------------------ decode precision
@@ -276,12 +241,13 @@ class Translator(tf.Module):
     Args:
         model: a built `keras_transformer.Transformer`.
         tokenizer: a `tensorflow_text.SentencepieceTokenizer` from
-            `export.tokenizer.make_tokenizer` (its special ids are the
+            `common.tokenizer.make_tokenizer` (its special ids are the
             start and end ids decoding uses).
         max_source_length: most source tokens, end id included (config.json
             `max_length`); longer inputs are truncated. None: no limit.
         beam_size: beam size of `serving_default` and `translate_ids`.
-        alpha: length-penalty exponent.
+        alpha: the length penalty's exponent (Wu et al., 2016): a hypothesis
+            scores log P / ((5 + length) / 6)^alpha (kt-export's --length-penalty).
         use_cache: decode over the key/value cache (False: recompute the
             whole prefix each step; same outputs, slower; for benchmarks).
         tokenizer_file: path of the sentencepiece `.model`, shipped in the

@@ -153,7 +153,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
         max_length: most output tokens (end token included); by default each
             sentence gets its own source length + 50. Never more than the
             model's `max_length` with learned positions (its table ends there).
-        alpha: length-penalty exponent for the reported score.
+        alpha: the length penalty's exponent (Wu et al., 2016) for the
+            reported score: log P / ((5 + length) / 6)^alpha.
         prefix_ids: optional int `[batch, p]`: the tokens each output must
             begin with (no start or end id), 0-padded; the search goes on
             from there. Their log-probabilities count in the score.
@@ -341,7 +342,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
-        alpha: length-penalty exponent (0.6 in the paper).
+        alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the
+            paper): hypotheses rank by log P / ((5 + length) / 6)^alpha.
         max_length: most output tokens; by default source length + 50. Never
             more than the model's `max_length` with learned positions.
         n_best: None for the best hypothesis alone; n (1 to `beam_size`) for

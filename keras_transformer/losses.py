@@ -1,5 +1,7 @@
 """The training losses and metric, padding ignored: label smoothing (paper section 5.4), and R-Drop on top of it."""
 
+import warnings
+
 import keras
 import numpy as np
 from keras import ops
@@ -180,23 +182,26 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
     """R-Drop (Liang et al., 2021, "R-Drop: Regularized Dropout for Neural Networks"): the label-smoothed
-    cross-entropy of two dropout passes over the same sentences, plus `alpha` times the mean of their two
-    KL divergences.
+    cross-entropy of two dropout passes over the same sentences, plus `kl_weight` times the mean of their
+    two KL divergences.
 
     The batch holds every sentence twice in a row: rows 2i and 2i + 1 are the same pair (inputs and
     labels), so that in training mode dropout gives two different predictions P and Q of it. For each real
-    token of such a pair the paper's loss is CE(P) + CE(Q) + alpha / 2 (KL(P || Q) + KL(Q || P)); each row
-    here carries its own CE plus alpha / 4 of the pair's symmetric KL, and the reductions are those of
+    token of such a pair the paper's loss is CE(P) + CE(Q) + alpha / 2 (KL(P || Q) + KL(Q || P)), alpha
+    being the paper's name of `kl_weight`; each row here carries its own CE plus kl_weight / 4 of the
+    pair's symmetric KL, and the reductions are those of
     `MaskedSparseCategoricalCrossentropy` over all rows, so the default is the paper's loss averaged over
     the 2N real tokens of the batch (fairseq's `label_smoothed_cross_entropy_with_rdrop` divides the same
     sum by N). Without dropout (inference, `model.evaluate`) the two rows agree, the KL is 0 and the loss
     is `MaskedSparseCategoricalCrossentropy`'s.
 
-    `training.pipeline.make_batches(..., copies=2)` makes such batches (`kt-train --r-drop ALPHA`); with
+    `training.pipeline.make_batches(..., copies=2)` makes such batches (`kt-train --r-drop WEIGHT`); with
     arrays of your own, `np.repeat(x, 2, axis=0)` for inputs and labels alike.
 
     Args:
-        alpha: the KL's weight (the paper: 5 for its translation tasks); 0 gives the plain loss.
+        kl_weight: the KL's weight, the paper's alpha (5 for its translation tasks); 0 gives the plain
+            loss. `alpha=` is its old name, still accepted (with a `DeprecationWarning`; a saved
+            configuration with "alpha" loads without one).
         label_smoothing: as in `MaskedSparseCategoricalCrossentropy`.
 
     Shapes:
@@ -205,16 +210,24 @@ class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
     Example:
 
     ```python
-    model.compile(optimizer=paper_adam(512), loss=MaskedRDropCrossentropy(alpha=5.0))
+    model.compile(optimizer=paper_adam(512), loss=MaskedRDropCrossentropy(kl_weight=5.0))
     model.fit((np.repeat(source, 2, 0), np.repeat(target_in, 2, 0)), np.repeat(target_out, 2, 0))
     ```
     """
 
-    def __init__(self, alpha=5.0, label_smoothing=0.1, name="masked_r_drop_crossentropy", **kwargs):
-        if not alpha >= 0:
-            raise ValueError(f"alpha must be 0 or more, got {alpha!r}")
+    def __init__(self, kl_weight=5.0, label_smoothing=0.1, name="masked_r_drop_crossentropy", **kwargs):
+        if "alpha" in kwargs:
+            alpha = kwargs.pop("alpha")
+            if kl_weight != 5.0:
+                raise ValueError(f"MaskedRDropCrossentropy got kl_weight={kl_weight!r} and alpha={alpha!r}: "
+                                 "alpha is kl_weight's old name, give kl_weight only")
+            warnings.warn("MaskedRDropCrossentropy(alpha=...) is now MaskedRDropCrossentropy(kl_weight=...) "
+                          "(read as such)", DeprecationWarning, stacklevel=2)
+            kl_weight = alpha
+        if not kl_weight >= 0:
+            raise ValueError(f"kl_weight must be 0 or more, got {kl_weight!r}")
         super().__init__(label_smoothing=label_smoothing, name=name, **kwargs)
-        self.alpha = alpha
+        self.kl_weight = kl_weight
 
     def call(self, y_true, y_pred):
         """The loss of each token `[2 * pairs, length]`, 0 at padding."""
@@ -227,11 +240,19 @@ class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
                 f"number of rows; got {rows}. Repeat the batch: np.repeat(x, 2, axis=0), or "
                 f"make_batches(..., copies=2)."
             )
-        per_token = smoothed_cross_entropy(logits, y_true, self.label_smoothing, kl_weight=self.alpha / 4.0)
+        per_token = smoothed_cross_entropy(logits, y_true, self.label_smoothing, kl_weight=self.kl_weight / 4.0)
         return ops.where(ops.not_equal(y_true, PAD_ID), per_token, 0.0)
 
     def get_config(self):
-        return {**super().get_config(), "alpha": self.alpha}
+        return {**super().get_config(), "kl_weight": self.kl_weight}
+
+    @classmethod
+    def from_config(cls, config):
+        # A loss saved before the rename (a .keras file compiled with it) records its weight as "alpha".
+        config = dict(config)
+        if "alpha" in config and "kl_weight" not in config:
+            config["kl_weight"] = config.pop("alpha")
+        return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

@@ -41,7 +41,7 @@ def score_targets(model, source_ids, target_ids, start_id, alpha=0.6):
         target_ids: int `[batch, target_len]`: each output's tokens and its
             end id (no start id), padded with 0, as the searches return them.
         start_id: the target's start id.
-        alpha: the length-penalty exponent.
+        alpha: the length penalty's exponent (Wu et al., 2016).
 
     Returns:
         scores: float32 `[batch]`, log P(target | source) / ((5 + |target|) / 6)^alpha,

@@ -57,7 +57,8 @@ def check_options(prefix_ids=NOT_USED, no_repeat_ngram_size=0):
 
 
 def length_penalty(length, alpha):
-    """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`."""
+    """((5 + length) / 6)^alpha, as a float32 tensor shaped like `length`; alpha: the length penalty's exponent
+    (Wu et al., 2016)."""
     return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
 
 
@@ -356,7 +357,7 @@ class Beam(NamedTuple):
 
     end_id: int
     k: int
-    alpha: float
+    alpha: float  # the length penalty's exponent (Wu et al., 2016)
     n_best: Any = None  # None: the best hypothesis; n: the n best, all different
     no_repeat_ngram_size: int = 0  # n > 0: no hypothesis repeats an n-gram
     search_ops: SearchOps = KERAS_OPS

@@ -2,7 +2,7 @@
 
 One joint (source + target) sentencepiece vocabulary, trained with the
 `sentencepiece` package (pure Python: no TensorFlow here). On TensorFlow it is
-applied with tensorflow-text's `SentencepieceTokenizer` (`export/tokenizer.py`),
+applied with tensorflow-text's `SentencepieceTokenizer` (`common/tokenizer.py`),
 so the same tokenizer runs in `tf.data`, in evaluation and inside the exported
 graph; on any backend, `sentencepiece` itself gives the same ids.
 
@@ -13,7 +13,7 @@ Sequences:
   source     = pieces(source_text)[:max_length - 1] + [END_ID]
   target_in  = [START_ID] + pieces(target_text)
   target_out = pieces(target_text) + [END_ID]
-Model outputs are turned back into text by `export.tokenizer.decode_output`:
+Model outputs are turned back into text by `common.tokenizer.decode_output`:
 everything from the first end id on, and padding, dropped before detokenizing.
 """
 

@@ -30,7 +30,7 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
     # On TensorFlow, `import keras` loads TensorFlow, whose C++ start-up lines ("oneDNN custom operations are
     # on", "Could not find cuda drivers") are written before TF_CPP_MIN_LOG_LEVEL applies, and each xdist
     # worker's came out at the end of the run's log. Import it as the commands do.
-    from export.native_logs import import_tensorflow_quietly
+    from common.native_logs import import_tensorflow_quietly
 
     import_tensorflow_quietly()
 
@@ -229,6 +229,22 @@ def two_batch_epochs_args(tmp_path, model_dir):
             "--no-validation", "--verbose", "0"]
 
 
+def as_recorded_before_the_length_penalty_rename(model_dir, dest):
+    """`dest` (returned): a model directory with `model_dir`'s config.json as kt-train recorded it before its
+    length penalty was named "length_penalty" (the "training" key "alpha" instead), and `model_dir`'s tokenizer
+    if it has one; not its model (pass the commands `--model-file MODEL_DIR/model.keras`)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    training = config["training"]
+    config["training"] = {("alpha" if k == "length_penalty" else k): v for k, v in training.items()}
+    assert "alpha" in config["training"], "model_dir recorded no length_penalty"
+    (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if (Path(model_dir) / "tokenizer.model").is_file():
+        shutil.copy(Path(model_dir) / "tokenizer.model", dest / "tokenizer.model")
+    return dest
+
+
 # Runs in an interpreter of its own that imports only tensorflow and tensorflow_text, like the model server
 # (which links TensorFlow's and tensorflow-text's kernels and nothing of Python). It loads one export into one
 # session, as TF Serving does, then answers request files, one path per line on stdin, one JSON line each on stdout.
@@ -240,7 +256,7 @@ import tensorflow_text  # noqa: F401  (registers the sentencepiece ops, as TF Se
 
 def answer(sess, meta_graph, signatures, requests):
     # (tensorflow imports keras itself for tf.keras; none of the project's Python is imported)
-    modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "training", "export", "tf_keras"})
+    modules = sorted({m.split(".")[0] for m in sys.modules} & {"keras_transformer", "common", "training", "export", "tf_keras"})
     results = {"loaded_python_modules": modules, "signatures": signatures, "runs": []}
     for signature_name, texts, extra in requests:
         if signature_name not in signatures:  # (indexing the protobuf map would add it, empty)
@@ -363,6 +379,7 @@ def load_saved_model(path, load=None):
     C++ loaders, `kt-translate` in a subprocess) load their own. `load`: the loader to use when the export is
     not loaded yet (`one_load_per_export` passes the real one)."""
     import tensorflow as tf
+    import tensorflow_text  # noqa: F401  (registers the sentencepiece ops an export's graph holds)
 
     pb = Path(path).resolve() / "saved_model.pb"
     key = (pb, pb.stat().st_mtime_ns)

@@ -21,9 +21,9 @@ import keras
 import sentencepiece as spm
 import tensorflow as tf
 
-from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import read_lines, train_sentencepiece, vocab_size_of
-from export.tokenizer import make_tokenizer
+from common.tokenizer import make_tokenizer
 from training.config import DEFAULTS, write_config
 from training.fit import build_and_compile
 from training.pipeline import make_batches

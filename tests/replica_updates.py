@@ -37,7 +37,7 @@ import keras_transformer as kt  # noqa: E402
 V, L, ROWS, UPDATES = 50, 10, 8, 3  # vocabulary, padded length, rows per global batch, updates
 LEARNING_RATE = 0.5
 CASES = {
-    # name: (batches per update, global clip norm, R-Drop alpha)
+    # name: (batches per update, global clip norm, R-Drop weight)
     "clip": (1, 0.05, None),
     "accumulate": (3, None, None),
     "clip+accumulate": (3, 0.05, None),

@@ -161,7 +161,7 @@ def test_the_engines_samples_are_the_librarys(copy_model):
 
 @needs_multi30k
 def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(quick_model_dir):
-    from export.tokenizer import encode_source
+    from common.tokenizer import encode_source
 
     model, tokenizer, config = load_model_dir(quick_model_dir)
     model = engine_model(model, "float32")

@@ -25,7 +25,7 @@ from export.engine_weights import engine_model
 from export.search import engine_beam_search, engine_greedy_decode
 from export.translator import decode_policy, load_model_dir
 from keras_transformer.text import END_ID, START_ID
-from export.tokenizer import encode_source
+from common.tokenizer import encode_source
 
 pytestmark = needs_multi30k
 
@@ -304,7 +304,7 @@ def test_kt_evaluate_scores_the_served_graph(model_dir, exported, tmp_path):
     sources, refs = _lines("test_2016_flickr.en", 100), _lines("test_2016_flickr.de", 100)
     source, reference = write_lines(tmp_path / "src.en", sources), write_lines(tmp_path / "ref.de", refs)
     out = tmp_path / "hyp.de"
-    # The export's settings: beam 4, alpha 0.6 (kt-export's and kt-evaluate's defaults).
+    # The export's settings: beam 4, length penalty 0.6 (kt-export's and kt-evaluate's defaults).
     assert main(["--model-dir", str(model_dir), "--source-file", str(source), "--references", str(reference),
                  "--output", str(out)]) == 0
     evaluated = json.loads(Path(f"{out}.scores.json").read_text())

@@ -3,6 +3,7 @@ without TensorFlow on the other backends, and nothing but the kt-train CLI impor
 measured figure in the code: BENCHMARKS.md holds them, and docs/design.md the reasons."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -12,8 +13,8 @@ from conftest import REPO, SUBPROCESS_ENV, run_on_backend
 
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys
-import keras_transformer, export
-for package in (keras_transformer, export):
+import common, keras_transformer, export
+for package in (common, keras_transformer, export):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(module.name)
 print(json.dumps(sorted(m for m in sys.modules if m == "training" or m.startswith("training."))))
@@ -21,12 +22,41 @@ print(json.dumps(sorted(m for m in sys.modules if m == "training" or m.startswit
 
 
 def test_library_and_export_import_nothing_from_training():
-    """In a fresh interpreter, every module of keras_transformer/ and export/ is imported: no training module
-    comes with them."""
+    """In a fresh interpreter, every module of common/, keras_transformer/ and export/ is imported: no training
+    module comes with them."""
     proc = subprocess.run([sys.executable, "-c", IMPORT_ALL], capture_output=True, text=True, env=SUBPROCESS_ENV,
                           cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# The modules kt-train runs (the command, the fit, the pipeline, the data, the settings, the preparation), and
+# what else the interpreter loaded with them; then kt-evaluate's, which decodes through the serving engine.
+IMPORT_KT_TRAIN = r"""
+import importlib, json, sys
+def loaded(prefix):
+    return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
+importlib.import_module("common")
+for name in ("run_dir", "tokenizer", "native_logs"):
+    importlib.import_module("common." + name)
+common = loaded("export") + loaded("training")
+for name in ("train", "fit", "pipeline", "data", "config", "prepare", "prepared", "callbacks"):
+    importlib.import_module("training." + name)
+kt_train = loaded("export")
+importlib.import_module("training.evaluate")
+print(json.dumps([common, kt_train, loaded("export")]))
+"""
+
+
+def test_kt_train_does_not_load_the_serving_engine():
+    """What training and serving share lives in common/, below both: it imports neither, and the modules
+    kt-train runs import nothing from export/ (kt-evaluate does: it scores the served graph's output)."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_KT_TRAIN], capture_output=True, text=True,
+                          env=SUBPROCESS_ENV, cwd=str(REPO), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    common, kt_train, with_evaluate = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert common == [] and kt_train == []
+    assert "export.translator" in with_evaluate  # the check sees export/ when it is loaded
 
 
 IMPORT_LIBRARY = r"""
@@ -61,7 +91,7 @@ def _imported_modules(path):
 def test_only_the_cli_imports_training_train():
     """training/train.py is the kt-train CLI: code takes settings, callbacks and the fit from the modules that
     own them. (Tests may call the CLI's `main`, nothing else of it.)"""
-    sources = [p for folder in ("keras_transformer", "export", "training", "tests", "bench")
+    sources = [p for folder in ("keras_transformer", "common", "export", "training", "tests", "bench")
                for p in (REPO / folder).rglob("*.py") if p != REPO / "training" / "train.py"]
     assert len(sources) > 30
     importers = {}
@@ -118,7 +148,7 @@ def test_no_measured_figure_in_code():
     (`[batch, 4x...]` is a shape), `NxM`, hex (`0x1f`), format specs (`%02x`, `:.1f`), a bare `x`.
     A failure lists file:line and the line."""
     findings = []
-    for folder in ("keras_transformer", "training", "export"):
+    for folder in ("keras_transformer", "common", "training", "export"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for first_line, text in _prose(path):
                 lines = text.split("\n")
@@ -150,7 +180,7 @@ def test_private_keras_api_is_used_in_one_module():
     the backup callback's private state, `keras.src`) is used only in keras_transformer/keras_internals.py,
     labelled with the Keras version and tested use by use in tests/test_keras_internals.py; the library's
     layer and the serving engine use its public `projections` and `is_plain()`, kt-train its functions."""
-    assert _keras_private_api_users(path for folder in ("keras_transformer", "export", "training")
+    assert _keras_private_api_users(path for folder in ("keras_transformer", "common", "export", "training")
                                     for path in (REPO / folder).rglob("*.py")) == []
     assert not (REPO / "training" / "keras_internals.py").exists()
     # The check sees each use where keras_internals.py makes it.

@@ -47,7 +47,7 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import numpy as np
-from export.tokenizer import make_tokenizer
+from common.tokenizer import make_tokenizer
 from keras_transformer.text import train_sentencepiece
 from training.pipeline import make_batches
 lines = [open("{MULTI30K}/train." + lang, encoding="utf-8").read().split("\\n")[:400] for lang in ("en", "de")]

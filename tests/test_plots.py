@@ -18,7 +18,7 @@ SENTENCES = [
 def run_dir(tmp_path_factory):
     """A run directory as kt-train writes it, with an untrained tiny model (nothing is trained)."""
     import keras_transformer as kt
-    from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME
+    from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME
     from keras_transformer.text import train_sentencepiece, vocab_size_of
     from training.config import resolve_config, write_config
 

@@ -173,7 +173,7 @@ def test_relative_links_resolve(page):
 # ----------------------------------------------------------------------------------------------------- layout
 
 LAYOUT = REPO / "docs" / "layout.md"
-PACKAGES = ("keras_transformer", "training", "export")
+PACKAGES = ("keras_transformer", "common", "training", "export")
 # What the repository's top level holds that is not the project's: hidden folders, and what git ignores.
 NOT_PROJECT_FOLDERS = {"runs", "exports", "build", "dist", "models", "logs", "data", "__pycache__"}
 

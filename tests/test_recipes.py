@@ -37,7 +37,7 @@ def test_the_wmt14_recipes_have_the_papers_settings(size):
     assert cfg["tokens_per_batch"] == 25_000 and not cfg.get("tokens_per_replica")
     assert (cfg["label_smoothing"], cfg["warmup_steps"], cfg["adam_epsilon"]) == (0.1, 4000, 1e-9)
     assert (cfg["max_updates"], cfg["epochs"], cfg["average_last"]) == (paper["updates"], None, paper["averaged"])
-    assert cfg["checkpoint_every"] and (cfg["beam_size"], cfg["alpha"]) == (4, 0.6)
+    assert cfg["checkpoint_every"] and (cfg["beam_size"], cfg["length_penalty"]) == (4, 0.6)
 
 
 def test_make_train_runs_the_wmt14_recipe_on_tfds_mock_data_through_to_an_export(tmp_path):

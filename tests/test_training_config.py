@@ -33,6 +33,116 @@ def test_config_precedence(tmp_path):
         resolve_config(["--config", str(f)])
 
 
+LENGTH_PENALTY_KEY_NOTE = '[kt-train] note: config key "alpha" is now "length_penalty" (read as such)'
+LENGTH_PENALTY_FLAG_NOTE = "[kt-train] note: --alpha is now --length-penalty (read as such)"
+
+
+def test_length_penalty_is_read_from_its_old_config_key_and_flag_with_a_note(tmp_path, capsys):
+    """kt-train's length penalty is `--length-penalty` / "length_penalty"; a --config file's "alpha" and the
+    flag --alpha, its old names, still set it, each with a one-line note; both names at once are refused."""
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"length_penalty": 1.0}))
+    cfg = resolve_config(["--config", str(f)])
+    assert cfg["length_penalty"] == 1.0 and "alpha" not in cfg
+    assert resolve_config(["--length-penalty", "0.9"])["length_penalty"] == 0.9
+    assert "note" not in capsys.readouterr().out
+
+    f.write_text(json.dumps({"alpha": 1.5, "beam_size": 5}))
+    cfg = resolve_config(["--config", str(f)])
+    assert (cfg["length_penalty"], cfg["beam_size"]) == (1.5, 5) and "alpha" not in cfg
+    assert capsys.readouterr().err.splitlines() == [LENGTH_PENALTY_KEY_NOTE]
+    assert resolve_config(["--config", str(f), "--length-penalty", "0.7"])["length_penalty"] == 0.7  # flag beats file
+    capsys.readouterr()
+
+    cfg = resolve_config(["--alpha", "0.8"])
+    assert cfg["length_penalty"] == 0.8 and "alpha" not in cfg and "deprecated_alpha" not in cfg
+    assert capsys.readouterr().err.splitlines() == [LENGTH_PENALTY_FLAG_NOTE]
+
+    with pytest.raises(SystemExit):
+        resolve_config(["--alpha", "0.8", "--length-penalty", "0.9"])
+    assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err
+    f.write_text(json.dumps({"alpha": 1.5, "length_penalty": 1.0}))
+    with pytest.raises(SystemExit, match='config key "alpha" is the old name of "length_penalty": give '
+                                         '"length_penalty" only'):
+        resolve_config(["--config", str(f)])
+
+
+def test_kt_trains_help_shows_the_length_penalty_flag_not_its_old_name(capsys):
+    with pytest.raises(SystemExit):
+        resolve_config(["--help"])
+    out = capsys.readouterr().out
+    assert "--length-penalty A" in out and "--alpha" not in out
+    assert "--r-drop WEIGHT" in out and "--subword-sampling ALPHA" in out
+
+
+def test_recorded_length_penalty_is_read_from_an_older_runs_alpha():
+    """The commands after kt-train read config.json's "training": "length_penalty", or an older run's "alpha"."""
+    from export.translator import recorded_setting
+
+    assert recorded_setting({"training": {"length_penalty": 1.2}}, "length_penalty", None, 0.6) == 1.2
+    assert recorded_setting({"training": {"alpha": 1.2}}, "length_penalty", None, 0.6) == 1.2
+    assert recorded_setting({"training": {"alpha": 1.2}}, "length_penalty", 0.9, 0.6) == 0.9  # the flag wins
+    assert recorded_setting({"training": {"alpha": None}}, "length_penalty", None, 0.6) == 0.6
+    assert recorded_setting({}, "length_penalty", None, 0.6) == 0.6
+    assert recorded_setting({"training": {"alpha": 1.2}}, "beam_size", None, 4) == 4
+
+
+@pytest.mark.parametrize("make_vars, flag", [
+    ([], None),                                              # the run's config.json decides
+    (["LENGTH_PENALTY=0.9"], "--length-penalty 0.9"),
+    (["ALPHA=0.8"], "--length-penalty 0.8"),                 # the old name, with a note
+    (["LENGTH_PENALTY=0.9", "ALPHA=0.8"], "--length-penalty 0.9"),
+])
+def test_make_train_passes_length_penalty_or_its_old_name_alpha_to_kt_evaluate_and_kt_export(make_vars, flag):
+    done = subprocess.run(["make", "-n", "train", "RUN=runs/lp", *make_vars], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.replace("\\\n", " ").splitlines()
+    commands = [line for line in lines if "-m training.evaluate" in line or "-m export.export_model" in line]
+    assert len(commands) == 2, done.stdout
+    assert all((flag in line) if flag else ("--length-penalty" not in line) for line in commands), commands
+    assert not any("--alpha" in line for line in commands)
+    note = 'echo "make train: ALPHA is now LENGTH_PENALTY (read as such)"'
+    assert (note in lines) == any(v.startswith("ALPHA=") for v in make_vars), done.stdout
+
+
+def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_run(tmp_path, monkeypatch, capsys):
+    """kt-export --length-penalty, else the length penalty kt-train recorded (an older run's "alpha" too), else
+    0.6; its old flag --alpha still sets it, with a one-line note on stderr. (`export` itself is replaced: what
+    reaches it is what the SavedModel is built with; tests/test_export_savedmodel.py exports for real.)"""
+    import export.export_model as export_model
+    from conftest import as_recorded_before_the_length_penalty_rename
+
+    exported = []
+
+    def fake_export(model_dir, export_dir, **kwargs):
+        exported.append((kwargs["beam_size"], kwargs["alpha"]))
+        return tmp_path / "exports" / "translator" / "1"
+
+    monkeypatch.setattr(export_model, "export", fake_export)
+    run, unrecorded = tmp_path / "run", tmp_path / "unrecorded"
+    for folder, training in ((run, {"beam_size": 5, "length_penalty": 1.3}), (unrecorded, {})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"training": training}))
+    old_run = as_recorded_before_the_length_penalty_rename(run, tmp_path / "old-run")
+    common = ["--export-dir", str(tmp_path / "exports"), "--skip-op-check", "--parallel-loops", "1"]
+    note = "kt-export: --alpha is now --length-penalty (read as such)"
+    for folder, flags, expected in [(run, [], (5, 1.3)), (old_run, [], (5, 1.3)), (unrecorded, [], (4, 0.6)),
+                                    (run, ["--length-penalty", "0.9"], (5, 0.9)),
+                                    (old_run, ["--alpha", "0.8"], (5, 0.8))]:
+        assert export_model.main(["--model-dir", str(folder), *common, *flags]) == 0
+        assert exported.pop() == expected, (folder.name, flags)
+        captured = capsys.readouterr()
+        assert f"length penalty {expected[1]}" in captured.out
+        assert (note in captured.err.splitlines()) == ("--alpha" in flags), captured.err
+    with pytest.raises(SystemExit):
+        export_model.main(["--model-dir", str(run), *common, "--alpha", "0.8", "--length-penalty", "0.9"])
+    assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err
+    assert not exported
+    help_text = export_model.build_parser().format_help()
+    assert "--length-penalty A" in help_text and "--alpha" not in help_text
+
+
 @pytest.mark.parametrize("argv,scale", [([], 1.0), (["--learning-rate-scale", "2.5"], 2.5)])
 def test_the_learning_rate_scale_reaches_the_optimizers_schedule(argv, scale):
     import keras_transformer as kt
@@ -97,7 +207,7 @@ def test_shipped_best_recipe_is_the_anchors():
     # Peak learning rate 0.005 at update 2,000: scale * (d_model * warmup) ** -0.5.
     assert cfg["warmup_steps"] == 2000
     assert cfg["learning_rate_scale"] * (128 * 2000) ** -0.5 == pytest.approx(0.005, rel=0.01)
-    assert (cfg["average_last"], cfg["beam_size"], cfg["alpha"]) == (10, 5, 1.0)
+    assert (cfg["average_last"], cfg["beam_size"], cfg["length_penalty"]) == (10, 5, 1.0)
 
 
 @needs_multi30k
@@ -126,7 +236,7 @@ def test_mixed_precision_training(tmp_path):
 
 
 def test_verbose_shows_logs_and_may_set_the_fit_verbosity():
-    from export.native_logs import wants_logs
+    from common.native_logs import wants_logs
 
     assert resolve_config(["--verbose"])["verbose"] == "auto" and wants_logs(["--verbose"])
     assert resolve_config(["--verbose", "2"])["verbose"] == 2 and wants_logs(["--epochs", "1", "--verbose", "2"])
@@ -139,7 +249,7 @@ def test_shipped_multi30k_recipe_is_defined_by_work_not_wall_time():
     assert cfg["preset"] == "small" and cfg["mixed_precision"] == "auto"
     assert cfg["epochs"] == 22 and cfg["max_minutes"] is None and cfg["steps_per_epoch"] is None
     assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
-    assert (cfg["average_last"], cfg["beam_size"], cfg["alpha"]) == (5, 4, 1.0)  # what `make train` always ran
+    assert (cfg["average_last"], cfg["beam_size"], cfg["length_penalty"]) == (5, 4, 1.0)  # what `make train` always ran
     assert cfg["adam_epsilon"] is None and cfg["global_clipnorm"] is None and cfg["max_updates"] is None
 
 
@@ -496,7 +606,7 @@ def test_kt_evaluate_prints_no_tensorflow_log_lines(quick_model_dir):
 ])
 def test_commands_set_tensorflows_log_level_before_it_loads(argv, user_level, level, monkeypatch):
     """What `quiet_import_for_commands` leaves in TF_CPP_MIN_LOG_LEVEL, which TensorFlow reads as it loads."""
-    import export.native_logs as native_logs
+    import common.native_logs as native_logs
 
     monkeypatch.setattr(native_logs, "import_tensorflow_quietly", lambda enabled: None)
     monkeypatch.setattr(sys, "argv", argv)
@@ -522,13 +632,13 @@ def test_kt_train_turns_onednn_on_unless_the_user_turns_it_off(user_setting, on)
 
 
 @needs_multi30k
-def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_loss(tmp_path, capsys):
-    """kt-train --r-drop ALPHA: R-Drop's loss in training, alpha in config.json, and a validation loss (the
+def test_r_drop_compiles_its_loss_records_its_weight_and_validates_with_the_plain_loss(tmp_path, capsys):
+    """kt-train --r-drop WEIGHT: R-Drop's loss in training, the weight in config.json, and a validation loss (the
     batches hold each pair twice, and without dropout the KL is 0) equal to the plain loss on single pairs."""
     import keras
 
     import keras_transformer as kt
-    from export.tokenizer import make_tokenizer
+    from common.tokenizer import make_tokenizer
     from keras_transformer.text import read_tokenizer_proto
     from training.config import check_settings
     from training.update import UpdateStep
@@ -543,7 +653,7 @@ def test_r_drop_compiles_its_loss_records_alpha_and_validates_with_the_plain_los
     model = kt.Transformer.from_preset("tiny", vocab_size=40)
     compile_model(model, resolve_config(["--r-drop", "2.5", "--label-smoothing", "0.2"]))
     assert type(model.loss) is kt.MaskedRDropCrossentropy
-    assert (model.loss.alpha, model.loss.label_smoothing) == (2.5, 0.2)
+    assert (model.loss.kl_weight, model.loss.label_smoothing) == (2.5, 0.2)
 
     run = tmp_path / "run"
     val = [write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 60)) for lang in ("en", "de")]

@@ -76,6 +76,21 @@ def _wait_for_mid_epoch_2(meta_path, procs, timeout: float, log):
     pytest.fail("training ended before it could be killed:\n" + log.read_text()[-3000:])
 
 
+def _run_and_kill_mid_epoch_2(cmd, meta_path, log_path):
+    """Starts kt-train's `cmd`, SIGKILLs it once it has taken a backup mid-way through epoch 2, and checks it
+    died of the kill (its output in `log_path`)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_for_mid_epoch_2(meta_path, [proc], 180, log_path)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+
+
 @needs_multi30k
 @pytest.mark.parametrize("max_updates", [None, 75])
 def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
@@ -88,17 +103,7 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     cmd = _train_cmd(model_dir, src, tgt, "--epochs", str(epochs), "--steps-per-epoch", str(steps),
                      "--backup-every", "5", *limit)
     meta_path = model_dir / "backup" / "training_metadata.json"
-    log1 = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=log1, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_mid_epoch_2(meta_path, [proc], 180, tmp_path / "run1.log")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log1.close()
-    assert proc.returncode == -signal.SIGKILL
+    _run_and_kill_mid_epoch_2(cmd, meta_path, tmp_path / "run1.log")
     assert not (model_dir / "model.keras").exists()  # it did not finish
     killed_at = _read_meta(meta_path)  # the backup the restart will find
     assert killed_at["epoch"] >= 1 and 0 < killed_at["batch"] < steps
@@ -142,15 +147,7 @@ def test_a_run_by_updates_killed_mid_span_resumes_and_checkpoints_at_the_same_up
     cmd = _train_cmd(model_dir, src, tgt, "--checkpoint-every", str(every), "--max-updates", "75",
                      "--backup-every", "5")
     meta_path = model_dir / "backup" / "training_metadata.json"
-    with open(tmp_path / "run1.log", "w") as log1:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=distributed_env(), stdout=log1, stderr=subprocess.STDOUT)
-        try:
-            _wait_for_mid_epoch_2(meta_path, [proc], 180, tmp_path / "run1.log")
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    _run_and_kill_mid_epoch_2(cmd, meta_path, tmp_path / "run1.log")
     killed_at = _read_meta(meta_path)
     assert killed_at["epoch"] == 1 and 0 < killed_at["batch"] < every - 1, killed_at  # between updates 30 and 60
     assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["update-0000030.weights.h5"]

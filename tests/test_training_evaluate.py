@@ -258,7 +258,7 @@ def trained_dir(tmp_path_factory):
     cfg = resolve_config(["--config", str(d / "config.json"), "--preset", "tiny", "--train-files", str(src),
                           str(tgt), "--model-dir", str(d / "run"), "--vocab-size", "400", "--tokens-per-batch", "500",
                           "--max-length", "40", "--steps-per-epoch", "8", "--max-updates", "20",
-                          "--warmup-steps", "20", "--average-last", "2", "--beam-size", "3", "--alpha", "0.8",
+                          "--warmup-steps", "20", "--average-last", "2", "--beam-size", "3", "--length-penalty", "0.8",
                           "--no-validation", "--verbose", "2"])
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -360,11 +360,13 @@ def test_average_checkpoints(trained_dir):
 
 
 def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained_dir, tmp_path, capsys):
-    """kt-train --average-last 2 --beam-size 3 --alpha 0.8 (a recipe's config): kt-average-checkpoints and
-    kt-evaluate use them when their own flags are not given; their flags still win."""
+    """kt-train --average-last 2 --beam-size 3 --length-penalty 0.8 (a recipe's config): kt-average-checkpoints and
+    kt-evaluate use them when their own flags are not given (the length penalty also from an older run's config.json,
+    which called it "alpha"); their flags still win, kt-evaluate's old --alpha too, with a note."""
     import keras
 
     import keras_transformer  # noqa: F401
+    from conftest import as_recorded_before_the_length_penalty_rename
     from training.average_checkpoints import main as average
     from training.evaluate import main as evaluate
 
@@ -383,10 +385,25 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     common = ["--model-dir", str(trained_dir), "--source-file", str(src), "--references", str(ref)]
     assert evaluate(common + ["--output", str(tmp_path / "recorded.de")]) == 0
     scores = json.loads((tmp_path / "recorded.de.scores.json").read_text())
-    assert (scores["beam_size"], scores["alpha"]) == (3, 0.8)
-    assert evaluate(common + ["--beam-size", "1", "--alpha", "0.6", "--output", str(tmp_path / "flags.de")]) == 0
+    assert (scores["beam_size"], scores["length_penalty"]) == (3, 0.8) and "alpha" not in scores
+    old_run = as_recorded_before_the_length_penalty_rename(trained_dir, tmp_path / "old-run")
+    assert evaluate(["--model-dir", str(old_run), "--model-file", str(trained_dir / "model.keras"),
+                     *common[2:], "--output", str(tmp_path / "old.de")]) == 0
+    old = json.loads((tmp_path / "old.de.scores.json").read_text())
+    assert (old["beam_size"], old["length_penalty"]) == (3, 0.8)
+    assert (tmp_path / "old.de").read_text() == (tmp_path / "recorded.de").read_text()
+    capsys.readouterr()
+    assert evaluate(common + ["--beam-size", "1", "--length-penalty", "0.6", "--output", str(tmp_path / "flags.de")]) == 0
     scores = json.loads((tmp_path / "flags.de.scores.json").read_text())
-    assert (scores["beam_size"], scores["alpha"]) == (1, 0.6)
+    assert (scores["beam_size"], scores["length_penalty"]) == (1, 0.6)
+    assert "is now --length-penalty" not in capsys.readouterr().err
+    assert evaluate(common + ["--beam-size", "1", "--alpha", "0.7", "--output", str(tmp_path / "old-flag.de")]) == 0
+    scores = json.loads((tmp_path / "old-flag.de.scores.json").read_text())
+    assert (scores["beam_size"], scores["length_penalty"]) == (1, 0.7)
+    assert "kt-evaluate: --alpha is now --length-penalty (read as such)" in capsys.readouterr().err.splitlines()
+    with pytest.raises(SystemExit):
+        evaluate(common + ["--alpha", "0.7", "--length-penalty", "0.6"])
+    assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err
 
 
 def test_evaluate_scores_a_checkpoint_of_a_run_that_has_no_model_keras_yet(trained_dir, tmp_path, capsys):

@@ -12,8 +12,8 @@ from sacrebleu.metrics import BLEU
 
 import keras_transformer as kt
 from conftest import QUICK_MODEL_MAX_LENGTH, history_rows, multi30k_lines, write_lines
-from export.tokenizer import decode_output, encode_source, make_tokenizer
-from export.translator import read_config
+from common.tokenizer import decode_output, encode_source, make_tokenizer
+from common.run_dir import read_config
 from keras_transformer.text import END_ID, START_ID
 from training import average_checkpoints
 from training.config import resolve_config

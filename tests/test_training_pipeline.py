@@ -9,7 +9,7 @@ import sentencepiece as spm
 import tensorflow as tf
 
 from conftest import MULTI30K, needs_multi30k
-from export.tokenizer import encode_source, make_tokenizer
+from common.tokenizer import encode_source, make_tokenizer
 from keras_transformer.text import END_ID as EOS_ID
 from keras_transformer.text import PAD_ID, UNK_ID, read_tokenizer_proto
 from keras_transformer.text import START_ID as BOS_ID

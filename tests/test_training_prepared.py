@@ -1,6 +1,6 @@
 """Prepared corpora: kt-prepare's shards and manifest, and the batches kt-train streams from them.
 
-The ids are the in-graph tokenizer's (`export.tokenizer.encode_pair`'s
+The ids are the in-graph tokenizer's (`common.tokenizer.encode_pair`'s
 sequences, pair for pair); an epoch holds every pair once, within the budget;
 the shuffle spans the whole corpus; a killed prepare is never trained on and
 starts again to the same result; damaged shards are refused; two workers each
@@ -24,7 +24,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO, distributed_env, multi30k_lines, needs_multi30k, start_workers, wait_all, write_lines
-from export.tokenizer import make_tokenizer
+from common.tokenizer import make_tokenizer
 from keras_transformer.text import END_ID, PAD_ID, START_ID
 from training import prepare as prepare_module
 from training.errors import ConfigError, DataError, LineCountMismatchError

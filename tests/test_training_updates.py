@@ -254,33 +254,8 @@ def test_kt_train_accumulates_on_two_replicas_and_keeps_its_batch_plan_on_one(tm
 
 # ---------------------------------------------------------------------------
 # What UpdateStep takes from Keras 3.15 (keras_transformer/keras_internals.py): should one of these fail after a Keras
-# upgrade, the behaviour it names changed, and the adapter with it.
-
-KERAS_APPLY_SCRIPT = """
-from training.distribute import split_cpu
-split_cpu(2)
-import keras, tensorflow as tf
-from keras_transformer.keras_internals import apply_summed_gradients
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-for summed in (False, True):
-    with strategy.scope():
-        w = keras.Variable([0.0, 0.0])
-        optimizer = keras.optimizers.SGD(1.0)
-        optimizer.build([w])
-        if summed:
-            apply_summed_gradients(optimizer)
-    tf.function(lambda: strategy.run(lambda: optimizer.apply([tf.ones(2)], [w])))()
-    print(summed, float(w.numpy()[0]))
-"""
-
-
-def test_keras_all_reduces_what_apply_is_given_unless_told_it_is_summed():
-    """Keras' TensorFlow optimizer sums the replicas' gradients inside `apply` (a gradient of 1 on each of two
-    replicas moves SGD(1) by 2); `apply_summed_gradients` makes it take them as they are (by 1)."""
-    done = subprocess.run([sys.executable, "-c", KERAS_APPLY_SCRIPT], cwd=REPO, env=distributed_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["False", "-2.0", "True", "-1.0"]
+# upgrade, the behaviour it names changed, and the adapter with it. (How Keras' apply all-reduces, which
+# `apply_summed_gradients` turns off: tests/test_keras_internals.py.)
 
 
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")

@@ -20,40 +20,23 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import sys
 from pathlib import Path
 
-from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
+from common.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
-from export.translator import load_or_build_model, read_config_or_exit, recorded_setting  # noqa: E402
-from training.config import CHECKPOINT_DIR, UPDATE_CHECKPOINT_PATTERN  # noqa: E402
+from common.run_dir import (CHECKPOINT_DIR, epoch_checkpoints, load_or_build_model, read_config_or_exit,  # noqa: E402
+                            update_checkpoints)
+from export.translator import recorded_setting  # noqa: E402
 
 # The paper averaged the last 5 checkpoints of its base models.
 DEFAULT_LAST = 5
-_EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
-_UPDATE = re.compile(r"update-(\d+)\.weights\.h5$")  # not the staged update-NNNNNNN.tmp.weights.h5
-
-
-def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:
-    """(epoch, path) of each epoch checkpoint, in epoch order (epochs count from 1, as in their file names)."""
-    d = Path(model_dir) / CHECKPOINT_DIR
-    return sorted((int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name)))
-
-
-def update_checkpoints(model_dir) -> list[tuple[int, Path]]:
-    """(update, path) of each checkpoint a run by updates wrote (`UPDATE_CHECKPOINT_PATTERN`), in update order."""
-    d = Path(model_dir) / CHECKPOINT_DIR
-    return sorted((int(m.group(1)), p) for p in d.glob(UPDATE_CHECKPOINT_PATTERN.split("{")[0] + "*.weights.h5")
-                  if (m := _UPDATE.search(p.name)))
-
-
 def list_checkpoints(model_dir) -> list[Path]:
     """A run by updates' checkpoints in update order, else the epoch checkpoints in epoch order."""
     return [path for _, path in update_checkpoints(model_dir) or epoch_checkpoints(model_dir)]

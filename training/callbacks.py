@@ -18,10 +18,9 @@ import tensorflow as tf
 from sacrebleu.metrics import BLEU
 
 import keras_transformer as kt
-from export.tokenizer import decode_output, encode_source
-from export.translate import translate_lines
+from common.tokenizer import decode_output, encode_source
 from keras_transformer.text import END_ID, START_ID
-from training.config import UPDATE_CHECKPOINT_PATTERN
+from common.run_dir import UPDATE_CHECKPOINT_PATTERN
 from training.errors import BackupError
 from keras_transformer.keras_internals import BackupAndRestoreState
 from training.update import UpdateStep
@@ -328,7 +327,7 @@ class ValidationBLEU(keras.callbacks.Callback):
 
     Args:
         sources, references: the validation pairs, as strings.
-        tokenizer: `export.tokenizer.make_tokenizer`'s tokenizer.
+        tokenizer: `common.tokenizer.make_tokenizer`'s tokenizer.
         max_length: most source tokens (end id included), as in training.
         batch_size: sentences decoded at once (sorted by length, so batches pad little).
         lowercase: score case-insensitively (sacreBLEU's `lowercase`), for a case-folding vocabulary,
@@ -349,6 +348,9 @@ class ValidationBLEU(keras.callbacks.Callback):
             model = self.model
             self._decode = tf.function(lambda ids: kt.greedy_decode(model, ids, START_ID, END_ID),
                                        reduce_retracing=True)
+        # kt-translate's batching by length, imported here: kt-train loads nothing of export/ without --val-bleu.
+        from export.translate import translate_lines
+
         return translate_lines(self._translate_batch, self.sources, self.batch_size).texts
 
     def _translate_batch(self, sources):

@@ -10,16 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-from export.translator import CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
+from common.run_dir import CHECKPOINT_DIR, CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
 from training.errors import ConfigError
 
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
-# With --checkpoint-every N: a checkpoint every N optimizer updates, named by the update it was taken after.
-UPDATE_CHECKPOINT_PATTERN = "update-{update:07d}.weights.h5"
 
 # Training settings and their defaults (a JSON config file may set any of these,
 # plus "model": {Transformer constructor overrides}).
@@ -72,8 +69,12 @@ DEFAULTS = {
     # Not read by kt-train: recorded in config.json for the commands that follow it (`make train`).
     "average_last": None,
     "beam_size": None,
-    "alpha": None,
+    "length_penalty": None,
 }
+
+# Settings renamed since runs and config files recorded them: {old name: new name}. A --config file's old key
+# is read as the new one, with a note.
+RENAMED_KEYS = {"alpha": "length_penalty"}
 
 DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
 
@@ -168,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--learning-rate-scale", type=float,
                    help="multiply the paper's learning-rate curve by this (default 1; OpenNMT-tf's NoamDecay scale)")
     g.add_argument("--label-smoothing", type=float)
-    g.add_argument("--r-drop", type=float, metavar="ALPHA",
+    g.add_argument("--r-drop", type=float, metavar="WEIGHT",
                    help="R-Drop (Liang et al., 2021): every training and validation pair twice in its batch, and "
-                   "ALPHA times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to "
-                   "the loss (the paper: 5 for translation); an update costs over twice as much (default: off)")
+                   "WEIGHT times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to "
+                   "the loss (the paper's alpha: 5 for translation); an update costs over twice as much "
+                   "(default: off)")
     g.add_argument("--adam-epsilon", type=float,
                    help="Adam's epsilon (default 1e-9, the paper's; fairseq's default is 1e-8)")
     g.add_argument("--global-clipnorm", type=float, metavar="NORM",
@@ -192,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--average-last", type=int, metavar="N",
                    help="kt-average-checkpoints averages the last N epoch checkpoints (its own default: 5)")
     g.add_argument("--beam-size", type=int, help="kt-evaluate's and kt-export's beam size (their default: 4)")
-    g.add_argument("--alpha", type=float, help="kt-evaluate's and kt-export's length penalty (their default: 0.6)")
+    g.add_argument("--length-penalty", type=float, metavar="A",
+                   help="kt-evaluate's and kt-export's length penalty: a hypothesis scores log P / ((5 + length) "
+                   "/ 6)^A (their default: 0.6)")
+    # The old name of --length-penalty, still read (with a note): see resolve_config.
+    g.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
     g = p.add_argument_group("output")
     g.add_argument("--verbose", nargs="?", const="auto", type=_verbosity, metavar="N",
                    help="show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: "
@@ -206,11 +212,26 @@ def _verbosity(value):
 
 def resolve_config(argv=None) -> dict:
     """The settings of a run: DEFAULTS, overridden by the --config file, overridden by the flags in `argv`."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if "deprecated_alpha" in args:
+        if "length_penalty" in args:
+            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
+        args["length_penalty"] = args.pop("deprecated_alpha")
+        print("[kt-train] note: --alpha is now --length-penalty (read as such)", file=sys.stderr, flush=True)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
     if "config" in args:
-        with open(args.pop("config"), encoding="utf-8") as f:
+        config_file = args.pop("config")
+        with open(config_file, encoding="utf-8") as f:
             file_cfg = json.load(f)
+        for old, new in RENAMED_KEYS.items():
+            if old in file_cfg:
+                if new in file_cfg:
+                    raise SystemExit(f"{config_file}: config key \"{old}\" is the old name of \"{new}\": "
+                                     f"give \"{new}\" only")
+                file_cfg[new] = file_cfg.pop(old)
+                print(f"[kt-train] note: config key \"{old}\" is now \"{new}\" (read as such)", file=sys.stderr,
+                      flush=True)
         unknown = set(file_cfg) - set(DEFAULTS)
         if unknown:
             raise SystemExit(f"Unknown keys in config file: {sorted(unknown)}; known: {sorted(DEFAULTS)}")
@@ -272,7 +293,7 @@ def check_settings(cfg) -> None:
 
 
 def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
-    """Writes MODEL_DIR/config.json atomically (export.translator.read_config reads it)."""
+    """Writes MODEL_DIR/config.json atomically (common.run_dir.read_config reads it)."""
     out = {
         "source_lang": cfg["source_lang"],
         "target_lang": cfg["target_lang"],

@@ -43,9 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-from export.native_logs import VERBOSE_HELP, quiet_import_for_commands
+from common.native_logs import VERBOSE_HELP, quiet_import_for_commands
 
-# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see export/native_logs.py).
+# Before TensorFlow is imported: a command prints none of its C++ start-up lines (see common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 import tensorflow as tf  # noqa: E402
@@ -55,7 +55,8 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from export.translate import Translated, translate_lines  # noqa: E402
-from export.translator import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, Translator, read_config, recorded_setting  # noqa: E402
+from common.run_dir import read_config  # noqa: E402
+from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, Translator, recorded_setting  # noqa: E402
 from keras_transformer.text import read_lines  # noqa: E402
 from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
@@ -201,8 +202,11 @@ def build_parser():
                         "e.g. for --hypotheses/--references files of newstest2014; needs the target language")
     p.add_argument("--beam-size", type=int, help="1 = greedy (default: the one kt-train --beam-size recorded in "
                    f"config.json, else {DEFAULT_BEAM_SIZE})")
-    p.add_argument("--alpha", type=float, help="length penalty (default: the one kt-train --alpha recorded in "
-                   f"config.json, else {DEFAULT_ALPHA})")
+    p.add_argument("--length-penalty", type=float, metavar="A",
+                   help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one "
+                   f"kt-train --length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
+    # The old name of --length-penalty, still read (with a note): see main.
+    p.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")
@@ -259,7 +263,13 @@ def print_scores(scores: dict) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.deprecated_alpha is not None:
+        if args.length_penalty is not None:
+            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
+        args.length_penalty = args.deprecated_alpha
+        print("kt-evaluate: --alpha is now --length-penalty (read as such)", file=sys.stderr)
     try:
         return evaluate(args)
     except (FileNotFoundError, DataError) as e:
@@ -289,9 +299,9 @@ def evaluate(args) -> int:
     lang = args.target_lang or cfg["target_lang"]
     protocols = _protocols(args, cfg, lang)
     args.beam_size = recorded_setting(cfg, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
-    args.alpha = recorded_setting(cfg, "alpha", args.alpha, DEFAULT_ALPHA)
+    args.length_penalty = recorded_setting(cfg, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
     translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
-                                           beam_size=args.beam_size, alpha=args.alpha)
+                                           beam_size=args.beam_size, alpha=args.length_penalty)
     sources, refs = _source_and_refs(args, cfg)
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]
@@ -305,7 +315,7 @@ def evaluate(args) -> int:
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     scores = score(hyps, refs, lang, lowercase=_lowercases(cfg), **protocols)
-    scores.update({"beam_size": args.beam_size, "alpha": args.alpha, "hypotheses_file": str(out),
+    scores.update({"beam_size": args.beam_size, "length_penalty": args.length_penalty, "hypotheses_file": str(out),
                    "decode_seconds": round(elapsed, 1), "truncated_sources": truncated,
                    "max_source_length": translator.max_source_length})
     out.with_suffix(out.suffix + ".scores.json").write_text(json.dumps(scores, indent=2))

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import keras
 
-from export.translator import MODEL_FILENAME, read_config, tokenizer_path
+from common.run_dir import MODEL_FILENAME, read_config, tokenizer_path
 from training.errors import ConfigError
 
 

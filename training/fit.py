@@ -20,18 +20,18 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import keras_transformer as kt
-from export.translator import MODEL_FILENAME, TOKENIZER_FILENAME, read_config
+from common.run_dir import (CHECKPOINT_DIR, CHECKPOINT_PATTERN, MODEL_FILENAME, TOKENIZER_FILENAME, epoch_checkpoints,
+                            read_config, update_checkpoints)
+from common.tokenizer import make_tokenizer
+from keras_transformer.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
-from export.tokenizer import make_tokenizer
-from training.average_checkpoints import epoch_checkpoints, update_checkpoints
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
-from training.config import CHECKPOINT_DIR, CHECKPOINT_PATTERN, batch_plan, check_settings, write_config
+from training.config import batch_plan, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import init_weights, resolve_init_from, set_init_weights
-from keras_transformer.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
 from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
@@ -239,7 +239,7 @@ def compile_model(model, cfg, optimizer=None):
                                   scale=cfg["learning_rate_scale"], **kwargs)
     if cfg.get("r_drop"):
         # The training and validation batches hold every pair twice in a row (make_batches(copies=2), in train()).
-        loss = kt.MaskedRDropCrossentropy(alpha=cfg["r_drop"], label_smoothing=cfg["label_smoothing"])
+        loss = kt.MaskedRDropCrossentropy(kl_weight=cfg["r_drop"], label_smoothing=cfg["label_smoothing"])
     else:
         loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"])
     model.compile(
@@ -406,8 +406,8 @@ def train(cfg: dict, strategy=None) -> dict:
         # validation and a history row; the checkpoints follow the update count itself (`UpdateCheckpoint`).
         steps = cfg["checkpoint_every"] * cfg["grad_accum"]
         cfg = {**cfg, "epochs": None}
-    alpha = cfg["subword_sampling"]
-    train_tokenizer = make_tokenizer(proto, sampling_alpha=alpha) if alpha else tokenizer
+    sampling_alpha = cfg["subword_sampling"]
+    train_tokenizer = make_tokenizer(proto, sampling_alpha=sampling_alpha) if sampling_alpha else tokenizer
     # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
     # the loss is the plain one. The batch counts below see each pair once: what an update trains on.
     copies = 2 if cfg.get("r_drop") else 1

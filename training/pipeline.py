@@ -1,4 +1,4 @@
-"""tf.data input pipeline: tokenize (`export.tokenizer.encode_pair`), cap
+"""tf.data input pipeline: tokenize (`common.tokenizer.encode_pair`), cap
 lengths, batch by length buckets under a tokens-per-batch budget, shuffle, prefetch.
 
 Batches are `((source, target_in), target_out)` int32, right-padded with 0.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_transformer.text import PAD_ID
-from export.tokenizer import encode_pair
+from common.tokenizer import encode_pair
 from training.errors import ConfigError
 
 DEFAULT_TOKENS_PER_BATCH = 4096

@@ -27,17 +27,18 @@ from pathlib import Path
 
 import numpy as np
 
-from export.native_logs import quiet_import_for_commands
+from common.native_logs import quiet_import_for_commands
 
-# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (export/native_logs.py).
+# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
-from export.translator import load_model_dir, read_config  # noqa: E402
+from common.run_dir import read_config  # noqa: E402
+from export.translator import load_model_dir  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID  # noqa: E402
-from export.tokenizer import decode_output, encode_source  # noqa: E402
+from common.tokenizer import decode_output, encode_source  # noqa: E402
 
 PAPER_D_MODEL, PAPER_WARMUP_STEPS = 512, 4000
 DPI = 150

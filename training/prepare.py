@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from export.native_logs import quiet_import_for_commands
+from common.native_logs import quiet_import_for_commands
 
 # Before TensorFlow is imported (the vocabulary's module brings Keras): as a command, its C++ log lines stay out
 # of the terminal.

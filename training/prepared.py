@@ -203,7 +203,7 @@ def _scatter(ids, offsets, lengths, rows, width: int, first_column: int) -> np.n
 def make_batch(pool: _Pool, rows: np.ndarray, width: int | None = None, copies: int = 1):
     """The pairs `rows` of `pool` as `((source, target_in), target_out)`, int32 `[batch, len]` each, each padded
     to its longest row (or to `width`): source = pieces + [END], target_in = [START] + pieces,
-    target_out = pieces + [END], as `export.tokenizer.encode_pair` gives them."""
+    target_out = pieces + [END], as `common.tokenizer.encode_pair` gives them."""
     s_len, t_len = pool.source_lengths[rows], pool.target_lengths[rows]
     n = np.arange(len(rows))
     s_width = width or int(s_len.max()) + 1

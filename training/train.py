@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from export.native_logs import quiet_import_for_commands, wants_logs
+from common.native_logs import quiet_import_for_commands, wants_logs
 from training import ONEDNN_ENV
 
 # TensorFlow (since 2.9) turns its oneDNN kernels on by default only on CPUs with AVX512_VNNI, AVX512_BF16
@@ -20,7 +20,7 @@ from training import ONEDNN_ENV
 # and oneDNN, from the CPU").
 # It reads the variable once, when it loads. A value the user set wins (0 turns oneDNN off).
 os.environ.setdefault(ONEDNN_ENV, "1")
-# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (export/native_logs.py).
+# Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (common/native_logs.py).
 quiet_import_for_commands(__name__)
 
 from training.config import resolve_config  # noqa: E402

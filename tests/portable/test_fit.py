@@ -50,7 +50,7 @@ def test_r_drop_fit_learns_and_its_loss_is_the_plain_loss_without_dropout(seeded
     twice = lambda a: np.repeat(a, 2, axis=0)  # noqa: E731
     model = kt.Transformer.from_preset("tiny", vocab_size=16, dropout=0.1)
     model.compile(optimizer=kt.paper_adam(model.d_model, warmup_steps=100),
-                  loss=kt.MaskedRDropCrossentropy(alpha=1.0), metrics=[kt.MaskedAccuracy()])
+                  loss=kt.MaskedRDropCrossentropy(kl_weight=1.0), metrics=[kt.MaskedAccuracy()])
     # Dropout makes the two rows of a pair disagree in training mode: the KL is there.
     x = (twice(source[:8]), twice(target_in[:8]))
     plain = kt.MaskedSparseCategoricalCrossentropy()

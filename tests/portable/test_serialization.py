@@ -82,7 +82,7 @@ def test_from_config_of_get_config(cls, kwargs):
 @pytest.mark.parametrize(
     "obj",
     [kt.TransformerSchedule(256, 100), kt.MaskedSparseCategoricalCrossentropy(0.3),
-     kt.MaskedRDropCrossentropy(alpha=2.5, label_smoothing=0.2), kt.MaskedAccuracy(name="acc")],
+     kt.MaskedRDropCrossentropy(kl_weight=2.5, label_smoothing=0.2), kt.MaskedAccuracy(name="acc")],
     ids=lambda o: type(o).__name__,
 )
 def test_schedule_loss_metric_round_trip(obj):

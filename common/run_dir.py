@@ -1,0 +1,80 @@
+"""A run directory, as kt-train writes it and kt-average-checkpoints, kt-evaluate and kt-export read it:
+its file names, its config.json, its checkpoints and the model it holds.
+
+    MODEL_DIR/config.json        the languages, ids, vocabulary, model and training settings (`read_config`)
+    MODEL_DIR/tokenizer.model    the sentencepiece vocabulary (`tokenizer_path`)
+    MODEL_DIR/model.keras        the trained model (`load_or_build_model`)
+    MODEL_DIR/checkpoints/       epoch-NNN.weights.h5 every epoch (`epoch_checkpoints`), or, in a run by
+                                 updates, update-NNNNNNN.weights.h5 every N updates (`update_checkpoints`)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import keras
+
+import keras_transformer as kt
+
+CONFIG_FILENAME = "config.json"
+MODEL_FILENAME = "model.keras"
+TOKENIZER_FILENAME = "tokenizer.model"
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
+# With --checkpoint-every N: a checkpoint every N optimizer updates, named by the update it was taken after.
+UPDATE_CHECKPOINT_PATTERN = "update-{update:07d}.weights.h5"
+_EPOCH = re.compile(r"epoch-(\d+)\.weights\.h5$")
+_UPDATE = re.compile(r"update-(\d+)\.weights\.h5$")  # not the staged update-NNNNNNN.tmp.weights.h5
+
+
+def read_config(model_dir) -> dict:
+    """A model directory's config.json; a clear error if it is not one."""
+    path = Path(model_dir) / CONFIG_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {model_dir} a directory written by kt-train?")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_config_or_exit(model_dir, command: str) -> dict:
+    """`read_config` for a command line tool: a missing config.json prints one line naming `command` and the
+    directory, and exits with status 2 (as argparse does for a bad argument)."""
+    try:
+        return read_config(model_dir)
+    except FileNotFoundError as e:
+        print(f"{command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def load_or_build_model(model_dir, config):
+    """MODEL_DIR/model.keras, or, while kt-train is still running (or after it was stopped, before it wrote
+    model.keras), a new, built model of the architecture and dtype policy `config` (its config.json) records,
+    for a checkpoint's weights. `FileNotFoundError` when there is neither."""
+    path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
+    if path.is_file():
+        return keras.models.load_model(path, compile=False)
+    if "model_config" not in config:
+        raise FileNotFoundError(f"{path} not found, and {Path(model_dir) / CONFIG_FILENAME} records no "
+                                "model_config to build the model from")
+    model = kt.Transformer.from_config({**config["model_config"], "dtype": config.get("dtype_policy")})
+    model.build()
+    return model
+
+
+def tokenizer_path(model_dir, config) -> Path:
+    return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
+
+
+def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:
+    """(epoch, path) of each epoch checkpoint, in epoch order (epochs count from 1, as in their file names)."""
+    d = Path(model_dir) / CHECKPOINT_DIR
+    return sorted((int(m.group(1)), p) for p in d.glob("epoch-*.weights.h5") if (m := _EPOCH.search(p.name)))
+
+
+def update_checkpoints(model_dir) -> list[tuple[int, Path]]:
+    """(update, path) of each checkpoint a run by updates wrote (`UPDATE_CHECKPOINT_PATTERN`), in update order."""
+    d = Path(model_dir) / CHECKPOINT_DIR
+    return sorted((int(m.group(1)), p) for p in d.glob(UPDATE_CHECKPOINT_PATTERN.split("{")[0] + "*.weights.h5")
+                  if (m := _UPDATE.search(p.name)))
