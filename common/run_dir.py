@@ -10,6 +10,7 @@ its file names, its config.json, its checkpoints and the model it holds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -65,6 +66,52 @@ def load_or_build_model(model_dir, config):
 
 def tokenizer_path(model_dir, config) -> Path:
     return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
+
+
+# Settings renamed since runs recorded them: {old name: new name}. The old name is still read, with a note: as a
+# key of a kt-train --config file, in an older run's config.json (`recorded_setting`), and as a flag
+# (`add_renamed_flags`, `take_renamed_flags`).
+RENAMED_SETTINGS = {"alpha": "length_penalty"}
+
+
+def recorded_setting(config: dict, key: str, given=None, default=None):
+    """`given` (a command-line value) if it is not None, else what kt-train recorded for the commands
+    that follow it (config.json's "training": "beam_size", "length_penalty", "average_last"; under a renamed
+    setting's old name in an older run), else `default`."""
+    if given is not None:
+        return given
+    training = config.get("training", {})
+    recorded = training.get(key)
+    for old, new in RENAMED_SETTINGS.items():
+        if recorded is None and key == new:
+            recorded = training.get(old)
+    return default if recorded is None else recorded
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_renamed_flags(parser) -> None:
+    """Each renamed setting's old flag (`--alpha` for `--length-penalty`, a number as the new one is), hidden
+    from --help; `take_renamed_flags` reads it."""
+    for old in RENAMED_SETTINGS:
+        parser.add_argument(_flag(old), type=float, dest=f"renamed_{old}", help=argparse.SUPPRESS)
+
+
+def take_renamed_flags(parser, args, note: str) -> None:
+    """Moves each old flag's value (`add_renamed_flags`) in `args` onto its new name, printing `NOTE --OLD is
+    now --NEW (read as such)` on stderr; the old and the new flag together are a usage error."""
+    for old, new in RENAMED_SETTINGS.items():
+        value = getattr(args, f"renamed_{old}", None)
+        if hasattr(args, f"renamed_{old}"):
+            delattr(args, f"renamed_{old}")
+        if value is None:
+            continue
+        if getattr(args, new, None) is not None:
+            parser.error(f"{_flag(old)} is the old name of {_flag(new)}: give {_flag(new)} only")
+        setattr(args, new, value)
+        print(f"{note} {_flag(old)} is now {_flag(new)} (read as such)", file=sys.stderr, flush=True)
 
 
 def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:

@@ -39,8 +39,7 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
 from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
-from common.run_dir import read_config_or_exit  # noqa: E402
-from export.translator import recorded_setting  # noqa: E402
+from common.run_dir import add_renamed_flags, read_config_or_exit, recorded_setting, take_renamed_flags  # noqa: E402
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -120,8 +119,7 @@ def build_parser():
     p.add_argument("--length-penalty", type=float, metavar="A",
                    help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one kt-train "
                    f"--length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
-    # The old name of --length-penalty, still read (with a note): see main.
-    p.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
+    add_renamed_flags(p)  # --alpha, still read (with a note): see main
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -161,11 +159,7 @@ def main(argv=None) -> int:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
         parser.error(f"--parallel-loops must be a number >= 1 or auto, got {args.parallel_loops!r}")
-    if args.deprecated_alpha is not None:
-        if args.length_penalty is not None:
-            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
-        args.length_penalty = args.deprecated_alpha
-        print("kt-export: --alpha is now --length-penalty (read as such)", file=sys.stderr)
+    take_renamed_flags(parser, args, "kt-export:")
     config = read_config_or_exit(args.model_dir, "kt-export")
     args.beam_size = recorded_setting(config, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.length_penalty = recorded_setting(config, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)

@@ -138,22 +138,6 @@ XLA_DTYPE = "float32"
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 0.6
 
-# The names under which runs trained before a rename recorded a setting in config.json: {name: old name}.
-RECORDED_OLD_NAMES = {"length_penalty": "alpha"}
-
-
-def recorded_setting(config: dict, key: str, given=None, default=None):
-    """`given` (a command-line value) if it is not None, else what kt-train recorded for the commands
-    that follow it (config.json's "training": "beam_size", "length_penalty", "average_last"; an older
-    run's "alpha" for "length_penalty"), else `default`."""
-    if given is not None:
-        return given
-    training = config.get("training", {})
-    recorded = training.get(key)
-    if recorded is None and key in RECORDED_OLD_NAMES:
-        recorded = training.get(RECORDED_OLD_NAMES[key])
-    return default if recorded is None else recorded
-
 
 def load_model_dir(model_dir, model_file=None, weights=None):
     """(model, tokenizer, config) from a directory written by kt-train.

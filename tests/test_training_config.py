@@ -77,7 +77,7 @@ def test_kt_trains_help_shows_the_length_penalty_flag_not_its_old_name(capsys):
 
 def test_recorded_length_penalty_is_read_from_an_older_runs_alpha():
     """The commands after kt-train read config.json's "training": "length_penalty", or an older run's "alpha"."""
-    from export.translator import recorded_setting
+    from common.run_dir import recorded_setting
 
     assert recorded_setting({"training": {"length_penalty": 1.2}}, "length_penalty", None, 0.6) == 1.2
     assert recorded_setting({"training": {"alpha": 1.2}}, "length_penalty", None, 0.6) == 1.2

@@ -32,8 +32,7 @@ import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
 from common.run_dir import (CHECKPOINT_DIR, epoch_checkpoints, load_or_build_model, read_config_or_exit,  # noqa: E402
-                            update_checkpoints)
-from export.translator import recorded_setting  # noqa: E402
+                            recorded_setting, update_checkpoints)
 
 # The paper averaged the last 5 checkpoints of its base models.
 DEFAULT_LAST = 5

@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from common.run_dir import CHECKPOINT_DIR, CONFIG_FILENAME, MODEL_FILENAME, TOKENIZER_FILENAME
+from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, MODEL_FILENAME, RENAMED_SETTINGS, TOKENIZER_FILENAME,
+                            add_renamed_flags, take_renamed_flags)
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
 from training.errors import ConfigError
 
@@ -71,10 +72,6 @@ DEFAULTS = {
     "beam_size": None,
     "length_penalty": None,
 }
-
-# Settings renamed since runs and config files recorded them: {old name: new name}. A --config file's old key
-# is read as the new one, with a note.
-RENAMED_KEYS = {"alpha": "length_penalty"}
 
 DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
 
@@ -197,8 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-penalty", type=float, metavar="A",
                    help="kt-evaluate's and kt-export's length penalty: a hypothesis scores log P / ((5 + length) "
                    "/ 6)^A (their default: 0.6)")
-    # The old name of --length-penalty, still read (with a note): see resolve_config.
-    g.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
+    add_renamed_flags(g)  # --alpha, still read (with a note): see resolve_config
     g = p.add_argument_group("output")
     g.add_argument("--verbose", nargs="?", const="auto", type=_verbosity, metavar="N",
                    help="show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: "
@@ -213,18 +209,15 @@ def _verbosity(value):
 def resolve_config(argv=None) -> dict:
     """The settings of a run: DEFAULTS, overridden by the --config file, overridden by the flags in `argv`."""
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    if "deprecated_alpha" in args:
-        if "length_penalty" in args:
-            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
-        args["length_penalty"] = args.pop("deprecated_alpha")
-        print("[kt-train] note: --alpha is now --length-penalty (read as such)", file=sys.stderr, flush=True)
+    parsed = parser.parse_args(argv)
+    take_renamed_flags(parser, parsed, "[kt-train] note:")
+    args = vars(parsed)
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
     if "config" in args:
         config_file = args.pop("config")
         with open(config_file, encoding="utf-8") as f:
             file_cfg = json.load(f)
-        for old, new in RENAMED_KEYS.items():
+        for old, new in RENAMED_SETTINGS.items():
             if old in file_cfg:
                 if new in file_cfg:
                     raise SystemExit(f"{config_file}: config key \"{old}\" is the old name of \"{new}\": "

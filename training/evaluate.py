@@ -55,8 +55,8 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from export.translate import Translated, translate_lines  # noqa: E402
-from common.run_dir import read_config  # noqa: E402
-from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, Translator, recorded_setting  # noqa: E402
+from common.run_dir import add_renamed_flags, read_config, recorded_setting, take_renamed_flags  # noqa: E402
+from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, Translator  # noqa: E402
 from keras_transformer.text import read_lines  # noqa: E402
 from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
@@ -206,7 +206,7 @@ def build_parser():
                    help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one "
                    f"kt-train --length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
     # The old name of --length-penalty, still read (with a note): see main.
-    p.add_argument("--alpha", type=float, dest="deprecated_alpha", help=argparse.SUPPRESS)
+    add_renamed_flags(p)  # --alpha, still read (with a note)
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")
@@ -265,11 +265,7 @@ def print_scores(scores: dict) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.deprecated_alpha is not None:
-        if args.length_penalty is not None:
-            parser.error("--alpha is the old name of --length-penalty: give --length-penalty only")
-        args.length_penalty = args.deprecated_alpha
-        print("kt-evaluate: --alpha is now --length-penalty (read as such)", file=sys.stderr)
+    take_renamed_flags(parser, args, "kt-evaluate:")
     try:
         return evaluate(args)
     except (FileNotFoundError, DataError) as e:
