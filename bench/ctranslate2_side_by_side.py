@@ -47,7 +47,7 @@ batch them), text in, text out:
   - CTranslate2: `Translator(device="cpu", compute_type, inter_threads,
     intra_threads).translate_batch` on sentencepiece pieces, tokenization and
     detokenization (Python sentencepiece, same model) inside the timed section.
-Same batches, beam sizes (1 and 4), source limit (`max_length` tokens, </s>
+Same batches, beam sizes (1 and 4), source limit (config.json's `max_source_length` tokens, </s>
 included) and output limit: ours stops each sentence at its source length +
 50 tokens, the end token included; CTranslate2 takes one limit per batch,
 without the end token, so it gets (longest source in the batch + 50) - 1: a
@@ -123,6 +123,7 @@ from bench.translate_worker import REPLY_PREFIX, parse_ct2_setting, parse_layout
 from export.translate import resolve_saved_model, translate_lines  # noqa: E402
 from export.engine_weights import engine_model  # noqa: E402
 from export.search import EXTRA_OUTPUT_LENGTH  # noqa: E402
+from common import run_dir  # noqa: E402
 from common.run_dir import TOKENIZER_FILENAME, tokenizer_path  # noqa: E402
 from export.translator import load_model_dir  # noqa: E402
 from keras_transformer.embedding import positional_encoding  # noqa: E402
@@ -257,13 +258,13 @@ def convert(model, tokenizer_file, config, output_dir, force=False) -> Path:
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
     pieces = sp.id_to_piece(list(range(sp.get_piece_size())))  # in id order: CTranslate2's ids are ours
-    # Positions read: a source of max_length tokens; outputs of up to max_length + 50 tokens.
-    num_positions = config["max_length"] + EXTRA_OUTPUT_LENGTH
+    # Positions read: a source of max_source_length tokens; outputs of up to max_source_length + 50 tokens.
+    num_positions = run_dir.max_source_length(config) + EXTRA_OUTPUT_LENGTH
     spec = transformer_spec_of(model, pieces, num_positions)
     spec.register_file(str(tokenizer_file), TOKENIZER_FILENAME)
     SpecConverter(spec).convert(str(output_dir), quantization="float32", force=force)
     sidecar = {"source_lang": config["source_lang"], "target_lang": config["target_lang"],
-               "max_source_length": config["max_length"], "positions": num_positions}
+               "max_source_length": run_dir.max_source_length(config), "positions": num_positions}
     (Path(output_dir) / SIDECAR_FILENAME).write_text(json.dumps(sidecar, indent=2) + "\n")
     return Path(output_dir)
 
@@ -307,16 +308,17 @@ def check_scores(model, tokenizer, ct2_dir, sources, targets, max_source_length,
 def run_convert(args) -> int:
     model, tokenizer, config = load_model_dir(args.model_dir, args.model_file)
     output = convert(model, tokenizer_path(args.model_dir, config), config, args.output_dir, force=args.force)
-    print(f"Wrote {output} (float32, {config['max_length'] + EXTRA_OUTPUT_LENGTH} positions)", flush=True)
+    limit = run_dir.max_source_length(config)
+    print(f"Wrote {output} (float32, {limit + EXTRA_OUTPUT_LENGTH} positions)", flush=True)
 
     data = Path(args.data_dir)
     sources = read_lines(data / f"{args.split}.{config['source_lang']}")[:args.check_sentences]
     targets = read_lines(data / f"{args.split}.{config['target_lang']}")[:args.check_sentences]
     max_diff, mean_diff, tokens, mismatches, skipped = check_scores(
-        model, tokenizer, output, sources, targets, config["max_length"], args.threads)
+        model, tokenizer, output, sources, targets, limit, args.threads)
     ok = max_diff <= args.tolerance and mismatches == 0
     print(f"Check on {len(sources) - skipped} reference translations ({tokens} tokens; {skipped} longer than "
-          f"max_length {config['max_length']} skipped), teacher forcing: token log-probs "
+          f"max_source_length {limit} skipped), teacher forcing: token log-probs "
           f"differ by at most {max_diff:.2e} (mean {mean_diff:.2e}); sentences whose tokens differ: {mismatches}. "
           f"{'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g}).")
     return 0 if ok else 1

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         if not (model_dir / "model.keras").is_file():
             build_quick_model_dir(model_dir, args.data_dir, preset=args.quick_preset, steps=args.quick_steps,
-                                  lines=args.quick_lines, vocab_size=4000, max_length=128, tokens_per_batch=4096,
+                                  lines=args.quick_lines, vocab_size=4000, max_sentence_length=128,
+                                  tokens_per_batch=4096,
                                   learning_rate=1e-3)
         model_note = (f"quick model: preset {args.quick_preset}, {args.quick_steps} steps on the first "
                       f"{args.quick_lines} Multi30k training pairs, vocab 4000 ({time.time() - t0:.0f}s)")

@@ -25,7 +25,7 @@ model (pieces + end id), sorted by length and padded with 0 to a multiple of --p
 Equal work. With random weights the outputs are meaningless and their lengths would differ, so
 every row decodes exactly --new-tokens (N) tokens per sentence, for every sentence:
 keras-hub's samplers get no stop token (then they run max_length - index = N steps); ours get
-max_length=N and an end id of -1, which no step can produce, so neither the per-sentence stop
+max_output_length=N and an end id of -1, which no step can produce, so neither the per-sentence stop
 nor beam search's early stop can fire and both loops run N steps (at step N only the end id is
 allowed, so ours writes padding there: same work, and the tokens are not the point). Generated
 tokens = sentences x N in every row; sentences/s and tokens/s are both reported, plus ms per
@@ -242,8 +242,8 @@ def build_decode_fn(config, decoding, model, hub_model, args):
 
         def decode(src):
             if decoding == "greedy":
-                return greedy_decode(model, src, START_ID, NEVER_ID, max_length=n)[0]
-            return beam_search(model, src, START_ID, NEVER_ID, beam_size=k, alpha=0.6, max_length=n)[0]
+                return greedy_decode(model, src, START_ID, NEVER_ID, max_output_length=n)[0]
+            return beam_search(model, src, START_ID, NEVER_ID, beam_size=k, alpha=0.6, max_output_length=n)[0]
 
         return decode
 

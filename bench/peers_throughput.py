@@ -94,7 +94,7 @@ PRESETS = {
     "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, dropout=0.1),
     "base": dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6, dropout=0.1),
 }
-WARMUP_STEPS = 4000  # the learning-rate schedule's warm-up (training.config DEFAULTS)
+WARMUP_STEPS = 4000  # the learning-rate schedule's warm-up (kt-train's default warmup_steps)
 
 
 def train_flops(c, batch, src_len, tgt_len, vocab_size):
@@ -169,12 +169,12 @@ def build_compiled(framework, preset, precision, vocab_size):
 
     import keras_transformer as kt
     from keras_transformer.model import PRESETS as KT_PRESETS
-    from training.config import DEFAULTS
+    from training.config import TrainSettings
     from training.fit import build_and_compile, compile_model
 
     assert KT_PRESETS[preset] == PRESETS[preset], "PRESETS here differ from keras_transformer/model.py"
     keras.mixed_precision.set_global_policy("mixed_bfloat16" if precision == "bf16" else "float32")
-    cfg = dict(DEFAULTS, preset=preset, model={})
+    cfg = TrainSettings(preset=preset)
     with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
         if framework == "ours":
             return build_and_compile(cfg, vocab_size)

@@ -37,7 +37,7 @@ behind `prepared_dataset`; an epoch is one pass over every shard, each in a new
 order), the share of the pairs in its first `--shuffle-batches` batches that
 come from the second half of the corpus's lines, where every word is reversed.
 Goal: 40-60%, in every epoch, i.e. the first batches of an epoch sample the
-whole corpus, not its first lines. (Pairs over `--max-length` are left out,
+whole corpus, not its first lines. (Pairs over `--max-sentence-length` are left out,
 and reversed words take more pieces: prepare the reversed corpus with a
 vocabulary of its own, or the dropped pairs, whose count is printed, skew
 the share.) A pair is told apart by its source's words: its ids are decoded
@@ -104,8 +104,8 @@ def count_batches(ds, n: int):
             "batches": int(totals[3])}, seconds
 
 
-def shuffle_check(corpus, *, tokens_per_replica: int, max_length: int, seed: int, epochs: int, batches: int,
-                  data_dir: Path) -> dict:
+def shuffle_check(corpus, *, tokens_per_replica: int, max_sentence_length: int, seed: int, epochs: int,
+                  batches: int, data_dir: Path) -> dict:
     """The share of second-half (word-reversed) pairs in the first `batches` batches of each of `epochs` epochs
     of `stream_batches` (the module docstring says how pairs and epochs are told apart)."""
     import numpy as np
@@ -132,7 +132,7 @@ def shuffle_check(corpus, *, tokens_per_replica: int, max_length: int, seed: int
     firsts = [[] for _ in range(epochs)]  # each epoch's first batches: source arrays
     t0 = time.perf_counter()
     generated = 0
-    for (source, _), _ in stream_batches(counting, list(range(n_shards)), max_length=max_length,
+    for (source, _), _ in stream_batches(counting, list(range(n_shards)), max_sentence_length=max_sentence_length,
                                          tokens_per_replica=tokens_per_replica, seed=seed, epochs=epochs):
         generated += 1
         epoch = (loads[0] - 1) // n_shards
@@ -158,11 +158,14 @@ def shuffle_check(corpus, *, tokens_per_replica: int, max_length: int, seed: int
 
 
 def main(argv=None) -> int:
+    from training.config import default
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prepared", required=True, metavar="DIR", help="a directory kt-prepare made")
     p.add_argument("--tokens-per-replica", type=int_list, default=[4096, 25000], metavar="N,N",
                    help="token budgets of a batch (per side, padded), comma-separated (default 4096,25000)")
-    p.add_argument("--max-length", type=int, default=128, help="kt-train's --max-length (default 128)")
+    p.add_argument("--max-sentence-length", type=int, default=default("max_sentence_length"),
+                   help=f"kt-train's --max-sentence-length (default {default('max_sentence_length')})")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of every contender and budget, alternating")
     p.add_argument("--pairs-per-run", type=int, default=1_000_000,
                    help="a run's batches: this many pairs' worth, at most one epoch (0: one epoch; default 1,000,000)")
@@ -194,8 +197,9 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_line()}; TensorFlow {tf.__version__}, Python {platform.python_version()}", flush=True)
     print(f"corpus: {corpus.directory}: {corpus.pairs:,} pairs, {corpus.manifest['target_tokens']:,} target tokens, "
           f"{len(shards)} shards, vocabulary {corpus.manifest['vocabulary']['pieces']:,}", flush=True)
-    too_long = sum(corpus.manifest["length_histogram"][args.max_length + 1:])
-    print(f"pairs longer than --max-length {args.max_length} (left out of every batch): {too_long:,} "
+    too_long = sum(corpus.manifest["length_histogram"][args.max_sentence_length + 1:])
+    print(f"pairs longer than --max-sentence-length {args.max_sentence_length} (left out of every batch): "
+          f"{too_long:,} "
           f"({too_long / corpus.pairs:.1%}; the shuffle check's share is of the pairs kept)", flush=True)
 
     text_pairs = tokenizer = None
@@ -211,19 +215,20 @@ def main(argv=None) -> int:
               flush=True)
 
     def contenders(budget, seed):
-        out = {"prepared": lambda: prepared_dataset(corpus, shards, max_length=args.max_length,
+        out = {"prepared": lambda: prepared_dataset(corpus, shards, max_sentence_length=args.max_sentence_length,
                                                     tokens_per_replica=budget, seed=seed)}
         if text_pairs is not None:
             from training.pipeline import make_batches
 
-            out["text"] = lambda: make_batches(text_pairs, tokenizer, max_length=args.max_length,
+            out["text"] = lambda: make_batches(text_pairs, tokenizer, max_sentence_length=args.max_sentence_length,
                                                tokens_per_batch=budget, num_replicas=1, shuffle=True,
                                                shuffle_buffer=args.shuffle_buffer, seed=seed, repeat=True)
         return out
 
     runs = {}  # (budget, contender): batches a run
     for budget in args.tokens_per_replica:
-        epoch = steps_per_epoch(corpus, max_length=args.max_length, tokens_per_replica=budget, replicas=1)
+        epoch = steps_per_epoch(corpus, max_sentence_length=args.max_sentence_length, tokens_per_replica=budget,
+                                replicas=1)
         for name, make in contenders(budget, args.seed).items():
             pairs = args.text_pairs_per_run if name == "text" else args.pairs_per_run
             share = 1.0 if not pairs else min(1.0, pairs / corpus.pairs)
@@ -270,8 +275,8 @@ def main(argv=None) -> int:
     check = None
     if args.shuffle_check:
         budget = args.shuffle_tokens_per_replica or args.tokens_per_replica[0]
-        check = shuffle_check(corpus, tokens_per_replica=budget, max_length=args.max_length, seed=args.seed,
-                              epochs=args.shuffle_epochs, batches=args.shuffle_batches, data_dir=Path(args.data_dir))
+        check = shuffle_check(corpus, tokens_per_replica=budget, max_sentence_length=args.max_sentence_length,
+                              seed=args.seed, epochs=args.shuffle_epochs, batches=args.shuffle_batches, data_dir=Path(args.data_dir))
         print(f"\nshuffle check (budget {budget:,}; {check['batches_generated']:,} batches generated in "
               f"{check['seconds']} s): second-half pairs among each epoch's first {args.shuffle_batches} batches "
               f"(goal 40-60%)")

@@ -114,25 +114,24 @@ def worker(args) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from training.config import DEFAULTS
+    from training.config import TrainSettings, default
     from training.fit import build_and_compile
 
     policy = "mixed_bfloat16" if args.precision == "bf16" else "float32"
     keras.mixed_precision.set_global_policy(policy)
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][: args.replicas]
     strategy = tf.distribute.MirroredStrategy(cpus)
-    cfg = dict(DEFAULTS, preset=args.preset or DEFAULTS["preset"], model={})
-    if args.config_file:
-        cfg.update(recipe_settings(args.config_file))
-    cfg["r_drop"] = args.r_drop_weight or None
+    recipe = recipe_settings(args.config_file) if args.config_file else {}
+    settings = TrainSettings(**{"preset": args.preset or default("preset"), **recipe,
+                                "r_drop": args.r_drop_weight or None})
     with strategy.scope():
-        model = build_and_compile(cfg, args.vocab_size)
+        model = build_and_compile(settings, args.vocab_size)
     batch = args.tokens_per_batch // args.length
     batch -= batch % args.replicas
     rng = np.random.default_rng(0)
     src = rng.integers(4, args.vocab_size, size=(batch, args.length), dtype=np.int32)
     tgt = rng.integers(4, args.vocab_size, size=(batch, args.length + 1), dtype=np.int32)
-    if cfg["r_drop"]:
+    if settings.r_drop:
         src, tgt = np.repeat(src, 2, axis=0), np.repeat(tgt, 2, axis=0)  # rows 2i, 2i + 1: one pair
     ds = tf.data.Dataset.from_tensors(((src, tgt[:, :-1]), tgt[:, 1:])).repeat()
 

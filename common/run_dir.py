@@ -1,7 +1,8 @@
 """A run directory, as kt-train writes it and kt-average-checkpoints, kt-evaluate and kt-export read it:
 its file names, its config.json, its checkpoints and the model it holds.
 
-    MODEL_DIR/config.json        the languages, ids, vocabulary, model and training settings (`read_config`)
+    MODEL_DIR/config.json        the languages, ids, vocabulary, longest source (`max_source_length`), model and
+                                 training settings (`read_config`)
     MODEL_DIR/tokenizer.model    the sentencepiece vocabulary (`tokenizer_path`)
     MODEL_DIR/model.keras        the trained model (`load_or_build_model`)
     MODEL_DIR/checkpoints/       epoch-NNN.weights.h5 every epoch (`epoch_checkpoints`), or, in a run by
@@ -15,6 +16,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import keras
 
@@ -68,10 +70,26 @@ def tokenizer_path(model_dir, config) -> Path:
     return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
 
 
-# Settings renamed since runs recorded them: {old name: new name}. The old name is still read, with a note: as a
-# key of a kt-train --config file, in an older run's config.json (`recorded_setting`), and as a flag
-# (`add_renamed_flags`, `take_renamed_flags`).
-RENAMED_SETTINGS = {"alpha": "length_penalty"}
+# The settings of the commands that follow kt-train when neither their command line nor the run's config.json
+# (kt-train's --beam-size, --length-penalty, --average-last) sets them: kt-evaluate's and kt-export's search,
+# kt-average-checkpoints' count (the paper averaged the last 5 checkpoints of its base models).
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_LENGTH_PENALTY = 0.6
+DEFAULT_AVERAGE_LAST = 5
+
+
+class Renamed(NamedTuple):
+    new: str    # the setting's name now
+    type: type  # its old flag's value type
+
+
+# Settings renamed since runs recorded them: {old name: Renamed(new name, flag type)}. The old name is still read,
+# with a note: as a key of a kt-train --config file, in an older run's config.json (`recorded_setting`), and as a
+# flag (`add_renamed_flags`, `take_renamed_flags`).
+RENAMED_SETTINGS = {
+    "alpha": Renamed("length_penalty", float),
+    "max_length": Renamed("max_sentence_length", int),  # the training-pair filter, not the model's or a search's
+}
 
 
 def recorded_setting(config: dict, key: str, given=None, default=None):
@@ -82,27 +100,37 @@ def recorded_setting(config: dict, key: str, given=None, default=None):
         return given
     training = config.get("training", {})
     recorded = training.get(key)
-    for old, new in RENAMED_SETTINGS.items():
-        if recorded is None and key == new:
+    for old, renamed in RENAMED_SETTINGS.items():
+        if recorded is None and key == renamed.new:
             recorded = training.get(old)
     return default if recorded is None else recorded
+
+
+def max_source_length(config: dict) -> int | None:
+    """The most source tokens (end id included) a run's model translates: config.json's "max_source_length",
+    the training pairs' longest (kt-train's max_sentence_length); "max_length" in a run written before that
+    name. None: no limit."""
+    return config.get("max_source_length", config.get("max_length"))
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_renamed_flags(parser) -> None:
-    """Each renamed setting's old flag (`--alpha` for `--length-penalty`, a number as the new one is), hidden
-    from --help; `take_renamed_flags` reads it."""
-    for old in RENAMED_SETTINGS:
-        parser.add_argument(_flag(old), type=float, dest=f"renamed_{old}", help=argparse.SUPPRESS)
+def add_renamed_flags(parser, *old_names: str) -> None:
+    """The old flags `old_names` of renamed settings (`--alpha` for `--length-penalty`, `--max-length` for
+    `--max-sentence-length`), each taking a value of its new flag's type, hidden from --help;
+    `take_renamed_flags` reads them."""
+    for old in old_names:
+        parser.add_argument(_flag(old), type=RENAMED_SETTINGS[old].type, dest=f"renamed_{old}",
+                            help=argparse.SUPPRESS)
 
 
 def take_renamed_flags(parser, args, note: str) -> None:
     """Moves each old flag's value (`add_renamed_flags`) in `args` onto its new name, printing `NOTE --OLD is
     now --NEW (read as such)` on stderr; the old and the new flag together are a usage error."""
-    for old, new in RENAMED_SETTINGS.items():
+    for old, renamed in RENAMED_SETTINGS.items():
+        new = renamed.new
         value = getattr(args, f"renamed_{old}", None)
         if hasattr(args, f"renamed_{old}"):
             delattr(args, f"renamed_{old}")

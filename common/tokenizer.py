@@ -5,7 +5,7 @@ exported graph. The vocabulary itself, its training and the special ids are in
 `keras_transformer/text.py` (no TensorFlow there).
 
 Sequences:
-  source     = pieces(source_text)[:max_length - 1] + [END_ID]
+  source     = pieces(source_text)[:max_source_length - 1] + [END_ID]
   target_in  = [START_ID] + pieces(target_text)
   target_out = pieces(target_text) + [END_ID]
 """
@@ -32,18 +32,18 @@ def make_tokenizer(model_proto: bytes, *, sampling_alpha: float | None = None):
     return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False, **sampling)
 
 
-def encode_source(tokenizer, texts, max_length: int | None = None):
-    """Source ids for strings `[batch]`: pieces + [END_ID], truncated to `max_length` (end id kept).
+def encode_source(tokenizer, texts, max_source_length: int | None = None):
+    """Source ids for strings `[batch]`: pieces + [END_ID], truncated to `max_source_length` (end id kept).
 
     Returns a `tf.RaggedTensor` `[batch, (len)]`; `.to_tensor(PAD_ID)` pads it.
     """
-    return source_from_pieces(tokenizer.tokenize(texts), max_length)
+    return source_from_pieces(tokenizer.tokenize(texts), max_source_length)
 
 
-def source_from_pieces(pieces, max_length: int | None = None):
-    """Ragged piece ids `[batch, (len)]` -> the source: at most `max_length - 1` pieces, then END_ID."""
-    if max_length is not None:
-        pieces = pieces[:, : max_length - 1]
+def source_from_pieces(pieces, max_source_length: int | None = None):
+    """Ragged piece ids `[batch, (len)]` -> the source: at most `max_source_length - 1` pieces, then END_ID."""
+    if max_source_length is not None:
+        pieces = pieces[:, : max_source_length - 1]
     end = tf.fill([pieces.nrows(), 1], tf.constant(END_ID, pieces.dtype))
     return tf.concat([pieces, end], axis=1)
 

@@ -38,8 +38,9 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
-from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, decode_loops, decode_policy  # noqa: E402
-from common.run_dir import add_renamed_flags, read_config_or_exit, recorded_setting, take_renamed_flags  # noqa: E402
+from export.translator import decode_loops, decode_policy  # noqa: E402
+from common.run_dir import (DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, add_renamed_flags, read_config_or_exit,  # noqa: E402
+                            recorded_setting, take_renamed_flags)
 
 # TF Serving's warm-up file (read at load, at most 1000 records, each replayed once by default).
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
@@ -119,7 +120,7 @@ def build_parser():
     p.add_argument("--length-penalty", type=float, metavar="A",
                    help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one kt-train "
                    f"--length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
-    add_renamed_flags(p)  # --alpha, still read (with a note): see main
+    add_renamed_flags(p, "alpha")  # --alpha, still read (with a note): see main
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="decode without the key/value cache (same output, slower; for benchmarks)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",

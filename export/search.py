@@ -33,6 +33,7 @@ import tensorflow as tf
 from export.step import decode_step, uncached_logits
 from export.tf_internals import in_xla_context
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound, prepare  # noqa: F401
+from keras_transformer.decoding import renamed_max_output_length
 from keras_transformer.masking import PAD_ID
 from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps, check_options, reorder_rows
 
@@ -63,8 +64,8 @@ GRAPH_OPS = GraphSearchOps()
 # ------------------------------------------------------------------ greedy decoding
 
 
-def engine_greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, prefix_ids=None,
-                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None):
+def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
+                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None, **deprecated):
     """`keras_transformer.greedy_decode`'s tokens and scores on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Greedy`) chooses each token; rows that end
@@ -72,6 +73,7 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_length=None, a
     `use_cache=False`: a full pass every step (same tokens, slower; the reference of `--no-cache`
     exports), `fixed_shapes`: see `check_shapes`, and `sampling`: a `keras_transformer.strategies.Sampling`
     of `[batch]` tensors, for `keras_transformer.sample_decode`'s draws (no `prefix_ids` with it).
+    `max_length=` is `max_output_length`'s old name, still accepted (with a `DeprecationWarning`).
 
     Returns:
         tokens: int32 `[batch, length]`, ending with `end_id` (unless cut at the limit), padded with 0
@@ -80,11 +82,12 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_length=None, a
 
     Wrap the call in `tf.function`.
     """
+    max_output_length = renamed_max_output_length("engine_greedy_decode", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     if sampling is not None and prefix_ids is not None:
         raise ValueError("Sampling takes no target prefix (pass sampling or prefix_ids, not both)")
     check_shapes(fixed_shapes)
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, fixed_shapes)
     strategy = Greedy(end_id, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
     cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0) if use_cache else {}
     state = strategy.start(tf.shape(encoder_output)[0], steps, start_id, cache, limits=limits,
@@ -104,8 +107,9 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_length=None, a
 # ------------------------------------------------------------------ beam search
 
 
-def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None,
-                       prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False):
+def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None,
+                       n_best=None, prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False,
+                       **deprecated):
     """`keras_transformer.beam_search`'s hypotheses, scores and early stop on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Beam`) keeps the hypotheses; each sentence's k
@@ -118,7 +122,8 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the paper).
-        max_length: most output tokens; by default source length + 50.
+        max_output_length: most output tokens; by default source length + 50. `max_length=` is its old
+            name, still accepted (with a `DeprecationWarning`).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
         prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.
         no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram, as the library's.
@@ -133,6 +138,7 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
 
     Wrap the call in `tf.function`.
     """
+    max_output_length = renamed_max_output_length("engine_beam_search", max_output_length, deprecated)
     k = beam_size
     if k < 1:
         raise ValueError(f"beam_size must be >= 1, got {k}")
@@ -140,7 +146,7 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
         raise ValueError(f"n_best must be from 1 to beam_size ({k}), got {n_best}")
     check_options(prefix_ids, no_repeat_ngram_size)
     check_shapes(fixed_shapes)
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_length, fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, fixed_shapes)
     # Every hypothesis gets a row of the self-attention cache: [batch * (k + 1), ...], sentence-major.
     # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
     cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0,
@@ -249,7 +255,7 @@ def check_shapes(fixed_shapes):
                          "(XLA needs every shape fixed; the default, growing shapes, is the graph TF Serving runs)")
 
 
-def _prepare(model, source_ids, max_length, fixed_shapes):
+def _prepare(model, source_ids, max_output_length, fixed_shapes):
     """The library's `prepare` (encoder output, padding mask, per-sentence output limits `[batch]`), and the
     loop's most steps: with `fixed_shapes`, the library's bound from the source's padded length, which XLA
     knows when it compiles for this input shape (buffers sized by the batch's largest limit, read from the
@@ -257,7 +263,7 @@ def _prepare(model, source_ids, max_length, fixed_shapes):
     the batch's largest limit."""
     if not model.built:  # a model never called: decoding may be the first thing it does
         model.build()
-    prepared = prepare(model, source_ids, max_length)
+    prepared = prepare(model, source_ids, max_output_length)
     steps = prepared.steps if fixed_shapes else tf.reduce_max(tf.concat([prepared.limits, [1]], axis=0))
     return prepared.encoder_output, prepared.source_mask, prepared.limits, steps
 

@@ -69,10 +69,10 @@ def decode_step(model, token_ids, cache_index, source_mask, cache, fixed_shapes=
             written in the self-attention cache.
         source_mask: `[sentences, source_len]` bool, True at real source tokens; `rows` is a multiple
             of `sentences` (beam search's hypotheses, consecutive rows of a sentence).
-        cache: `model.init_decoding_cache(encoder_output, max_length)` (`max_length` 0 with growing
+        cache: `model.init_decoding_cache(encoder_output, cache_length)` (`cache_length` 0 with growing
             shapes) or the previous step's: self-attention per row, cross-attention per sentence.
         fixed_shapes: True for XLA (`tf.function(jit_compile=True)`, which needs every shape fixed): the
-            self-attention cache is a buffer of `max_length` positions, written in place, and read under
+            self-attention cache is a buffer of `cache_length` positions, written in place, and read under
             a causal mask. False (default): the cache grows by one position a step, with core ops only,
             the graph the stock TF Serving model server runs.
 

@@ -16,7 +16,7 @@ model's base directory (EXPORT_DIR/NAME: its highest version is used).
 Lines are translated in batches of similar length and written in input order;
 blank lines stay blank. A progress bar goes to stderr for inputs of more than
 one batch (--no-progress to hide it). A line longer than the model's limit
-(config.json `max_length` pieces, end id included) is translated from its
+(config.json `max_source_length` pieces, end id included) is translated from its
 beginning only: kt-translate says so on stderr, with the line numbers.
 --n-best, --sample, --prefix, --score and --align each call a signature of
 their own (n_best, sample, prefix, score, align; --prefix with --greedy:
@@ -126,7 +126,7 @@ def truncation_warning(truncated_lines, shown: int = 20, scored: bool = False) -
     what = ("whose source or target is longer than the model's limit were scored" if scored
             else "longer than the model's limit were translated")
     return (f"kt-translate: warning: {len(truncated_lines)} line(s) {what} "
-            f"from their beginning only (config.json max_length pieces, end id included): line(s) {numbers}")
+            f"from their beginning only (config.json max_source_length pieces, end id included): line(s) {numbers}")
 
 
 # sentencepiece's word-start marker, at the start of a piece that begins a word; and the end token's piece.

@@ -13,7 +13,7 @@ Signatures (all batch-first, dense, so TF Serving's REST row format
   `score` float32 `[batch]` (beam search; the score is
   log P(translation | text) / ((5 + len) / 6)^alpha), `truncated` bool
   `[batch]` (the source was longer than the model's limit, and only its
-  first `max_length - 1` pieces were translated).
+  first `max_source_length - 1` pieces were translated).
 - `greedy`: same inputs and outputs, greedy decoding (faster).
 - `n_best`: `text` -> `translations` string `[batch, n]` and `scores` float32
   `[batch, n]`, the beam's n = beam size different finished hypotheses, best
@@ -77,7 +77,7 @@ core busy. Serve it with N inter-op threads and 1 intra-op thread
 
 Inputs are made safe inside the graph: invalid UTF-8 is replaced with U+FFFD
 before tokenization, every source (text or ids) is truncated to the model's
-maximum source length (`max_length - 1` pieces + the end id), and one string
+maximum source length (`max_source_length - 1` pieces + the end id), and one string
 comes back for every input, with `truncated` saying whether its source was cut. Text with nothing to translate (empty,
 whitespace-only: the tokenizer gives no piece) gets the empty translation ""
 and score 0.0 in the text signatures; the other rows of its batch are
@@ -101,7 +101,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from common.run_dir import MODEL_FILENAME, load_or_build_model, read_config, tokenizer_path
+from common.run_dir import MODEL_FILENAME, load_or_build_model, max_source_length, read_config, tokenizer_path
 from common.tokenizer import decode_output, make_tokenizer, source_from_pieces
 from export.engine_weights import engine_model
 from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
@@ -131,12 +131,6 @@ XLA_DTYPE = "float32"
 
 
 # ------------------------------------------------------------ model directory (its format: common/run_dir.py)
-
-
-# The search settings of kt-evaluate and kt-export when neither the command line nor the run's config.json
-# (kt-train's --beam-size and --length-penalty) sets them.
-DEFAULT_BEAM_SIZE = 4
-DEFAULT_LENGTH_PENALTY = 0.6
 
 
 def load_model_dir(model_dir, model_file=None, weights=None):
@@ -228,7 +222,7 @@ class Translator(tf.Module):
             `common.tokenizer.make_tokenizer` (its special ids are the
             start and end ids decoding uses).
         max_source_length: most source tokens, end id included (config.json
-            `max_length`); longer inputs are truncated. None: no limit.
+            `max_source_length`); longer inputs are truncated. None: no limit.
         beam_size: beam size of `serving_default` and `translate_ids`.
         alpha: the length penalty's exponent (Wu et al., 2016): a hypothesis
             scores log P / ((5 + length) / 6)^alpha (kt-export's --length-penalty).
@@ -328,7 +322,7 @@ class Translator(tf.Module):
     @classmethod
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
                        precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
-        """A `Translator` for a directory written by kt-train, with its config's `max_length`, decoding
+        """A `Translator` for a directory written by kt-train, with its config's `max_source_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
         projection stored `[d_model, vocab]`, as the matmul reads it fastest, in one column block per
         decoding loop); with `xla_max_batch`, small
@@ -339,7 +333,7 @@ class Translator(tf.Module):
         model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True,
                              output_blocks=parallel_loops)
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
-        return cls(model, tokenizer, max_source_length=config.get("max_length"), beam_size=beam_size, alpha=alpha,
+        return cls(model, tokenizer, max_source_length=max_source_length(config), beam_size=beam_size, alpha=alpha,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
                    parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)

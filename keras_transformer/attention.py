@@ -44,7 +44,7 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
 
     - `cache=None`: no cache, the full pass.
     - `cache` and `cache_index=t`: self-attention over a fixed buffer from
-      `empty_cache(batch, max_length)`. The projected keys/values of the new
+      `empty_cache(batch, cache_length)`. The projected keys/values of the new
       query positions are written at positions `t, t + 1, ...`, and the query
       at `t + i` attends to cache positions `<= t + i` (causal; the slots
       after it are never read). The buffer keeps its shape, so the call
@@ -77,7 +77,7 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
     ```python
     mha = MultiHeadAttention(num_heads=8, key_dim=64)
     y = mha(x, x, use_causal_mask=True)           # full pass, [b, t, 512]
-    cache = mha.empty_cache(batch_size=b, max_length=t)
+    cache = mha.empty_cache(batch_size=b, cache_length=t)
     for i in range(t):                             # the same, one position at a time
         y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i)
     memory_cache = mha.compute_cache(memory)      # cross-attention: memory projected once
@@ -98,10 +98,10 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
         `sliding_window`, other `attention_axes` or quantized kernels): what the cache supports."""
         return attention_is_plain(self)
 
-    def empty_cache(self, batch_size, max_length):
-        """`(keys, values)` zeros, each `[batch_size, num_heads, max_length, key_dim]`, for self-attention
-        (`max_length` 0 for a cache that grows, `AttentionOps(growing_cache=True)`)."""
-        shape = (batch_size, self.num_heads, max_length, self.key_dim)
+    def empty_cache(self, batch_size, cache_length):
+        """`(keys, values)` zeros, each `[batch_size, num_heads, cache_length, key_dim]`, for self-attention
+        (`cache_length` 0 for a cache that grows, `AttentionOps(growing_cache=True)`)."""
+        shape = (batch_size, self.num_heads, cache_length, self.key_dim)
         return ops.zeros(shape, dtype=self.compute_dtype), ops.zeros(shape, dtype=self.compute_dtype)
 
     def compute_cache(self, value, key=None):
@@ -234,7 +234,7 @@ class AttentionOps:
 
     Args:
         growing_cache: False (default): a self-attention cache is a fixed
-            buffer from `empty_cache(batch, max_length)`, written in place
+            buffer from `empty_cache(batch, cache_length)`, written in place
             (`ops.slice_update`), so every shape stays fixed (`jax.jit`,
             XLA) and the causal rule hides the slots not written yet. True:
             the cache starts empty (`empty_cache(batch, 0)`) and grows by each
@@ -244,7 +244,7 @@ class AttentionOps:
     Example:
 
     ```python
-    cache = mha.empty_cache(batch_size=b, max_length=0)
+    cache = mha.empty_cache(batch_size=b, cache_length=0)
     for i in range(t):
         y_i, cache = mha(x[:, i:i+1], x[:, i:i+1], cache=cache, cache_index=i,
                          attention_ops=AttentionOps(growing_cache=True))

@@ -84,7 +84,7 @@ class DecoderLayer(TransformerLayerBase):
     `"cross_attention"` key without cross-attention).
 
     Incremental decoding: also pass `self_attention_cache` (keys and values,
-    each `[batch, num_heads, max_length, d_model // num_heads]`, from
+    each `[batch, num_heads, cache_length, d_model // num_heads]`, from
     `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
     and, with cross-attention, `cross_attention_cache` (from
     `cross_attention.compute_cache(encoder_output)`; `encoder_output` may
@@ -246,8 +246,8 @@ class Decoder(TransformerStackBase):
         -> `[batch, target_len, d_model]`.
 
     Incremental decoding: one `(keys, values)` pair per layer, each tensor
-    `[batch, num_heads, length, d_k]`: `empty_cache(batch, max_length)` (a
-    buffer of `max_length` positions) for self-attention and, with cross-attention,
+    `[batch, num_heads, length, d_k]`: `empty_cache(batch, cache_length)` (a
+    buffer of `cache_length` positions) for self-attention and, with cross-attention,
     `compute_cross_attention_cache(encoder_output)` (length source_len).
     Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`,
     and `attention_ops`, as in `DecoderLayer`) makes the call return
@@ -280,9 +280,9 @@ class Decoder(TransformerStackBase):
     def build(self, x_shape, encoder_output_shape=None):
         self._build_stack(self.decoder_layers, x_shape, encoder_output_shape)
 
-    def empty_cache(self, batch_size, max_length):
+    def empty_cache(self, batch_size, cache_length):
         """One empty self-attention cache per layer (`MultiHeadAttention.empty_cache`)."""
-        return [layer.self_attention.empty_cache(batch_size, max_length) for layer in self.decoder_layers]
+        return [layer.self_attention.empty_cache(batch_size, cache_length) for layer in self.decoder_layers]
 
     def compute_cross_attention_cache(self, encoder_output):
         if not self.use_cross_attention:

@@ -23,6 +23,7 @@ reports the same quantity so the two compare.
 """
 
 import contextlib
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import keras
@@ -39,22 +40,41 @@ __all__ = ["EXTRA_OUTPUT_LENGTH", "NextLogits", "Prepared", "Sampling", "beam_se
 EXTRA_OUTPUT_LENGTH = 50
 
 
-def output_bound(model, source_length, max_length=None):
+def output_bound(model, source_length, max_output_length=None):
     """The most output tokens (end token included) for a source of `source_length` real tokens.
 
-    Source length + `EXTRA_OUTPUT_LENGTH`, or `max_length` when given; never
-    past a learned position table (output i is read from decoder position i);
-    at least 1. `source_length` may be a Python int (the result is then one:
-    a shape known when the search compiles) or an int tensor `[batch]`.
+    Source length + `EXTRA_OUTPUT_LENGTH`, or `max_output_length` when given;
+    never past a learned position table (`model.max_positions`: output i is
+    read from decoder position i); at least 1. `source_length` may be a
+    Python int (the result is then one: a shape known when the search
+    compiles) or an int tensor `[batch]`.
     """
-    bound = source_length + EXTRA_OUTPUT_LENGTH if max_length is None else max_length
+    bound = source_length + EXTRA_OUTPUT_LENGTH if max_output_length is None else max_output_length
     if model.learned_positions:
-        bound = _minimum(bound, model.max_length)
+        bound = _minimum(bound, model.max_positions)
     return max(bound, 1) if isinstance(bound, int) else ops.maximum(bound, 1)
 
 
 def _minimum(a, b):
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else ops.minimum(a, b)
+
+
+def renamed_max_output_length(function, max_output_length, kwargs):
+    """A search's `max_output_length`, or its old name `max_length=` taken from the search's other keyword
+    arguments `kwargs`, with a one-line `DeprecationWarning`; both given: a ValueError naming both; any other
+    keyword: a TypeError. `function` is the search's name, for the messages. The library's searches and the
+    serving engine's (`export.search`) take their old keyword through it."""
+    if "max_length" in kwargs:
+        max_length = kwargs.pop("max_length")
+        if max_output_length is not None:
+            raise ValueError(f"{function} got max_output_length={max_output_length!r} and max_length={max_length!r}: "
+                             "max_length is max_output_length's old name, give max_output_length only")
+        warnings.warn(f"{function}(max_length=...) is now {function}(max_output_length=...) (read as such)",
+                      DeprecationWarning, stacklevel=3)
+        max_output_length = max_length
+    if kwargs:
+        raise TypeError(f"{function}() got an unexpected keyword argument {next(iter(kwargs))!r}")
+    return max_output_length
 
 
 def _no_gradient():
@@ -123,7 +143,7 @@ class Prepared(NamedTuple):
     steps: Any  # the loop's bound: the largest limit any sentence of this source length may have
 
 
-def prepare(model, source_ids, max_length=None):
+def prepare(model, source_ids, max_output_length=None):
     """`Prepared`: the encoder output, padding mask, per-sentence output limits `[batch]` and the loop's bound
     of `source_ids` `[batch, source_len]` (int, 0-padded)."""
     source_ids = ops.convert_to_tensor(source_ids)
@@ -132,27 +152,29 @@ def prepare(model, source_ids, max_length=None):
     source_ids = ops.cast(source_ids, "int32")
     source_mask = padding_mask(source_ids)
     # Per sentence, so a sentence decodes the same alone or in any batch.
-    limits = output_bound(model, ops.sum(ops.cast(source_mask, "int32"), axis=1), max_length)
+    limits = output_bound(model, ops.sum(ops.cast(source_mask, "int32"), axis=1), max_output_length)
     limits = ops.broadcast_to(ops.cast(limits, "int32"), ops.shape(source_ids)[:1])
     # From the padded length: a bound known when the search compiles, so every buffer has a fixed shape.
     length = source_ids.shape[1] if source_ids.shape[1] is not None else ops.shape(source_ids)[1]
-    steps = output_bound(model, length, max_length)
+    steps = output_bound(model, length, max_output_length)
     return Prepared(model.encode(source_ids, training=False), source_mask, limits, steps)
 
 
 
 
-def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.6, prefix_ids=None,
-                  no_repeat_ngram_size=0):
+def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
+                  no_repeat_ngram_size=0, **deprecated):
     """Batched greedy decoding with the key/value cache.
 
     Args:
         model: a `Transformer`.
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
-        max_length: most output tokens (end token included); by default each
-            sentence gets its own source length + 50. Never more than the
-            model's `max_length` with learned positions (its table ends there).
+        max_output_length: most output tokens (end token included); by
+            default each sentence gets its own source length + 50. Never more
+            than the model's `max_positions` with learned positions (its table
+            ends there). `max_length=` is its old name, still accepted (with a
+            `DeprecationWarning`).
         alpha: the length penalty's exponent (Wu et al., 2016) for the
             reported score: log P / ((5 + length) / 6)^alpha.
         prefix_ids: optional int `[batch, p]`: the tokens each output must
@@ -171,14 +193,15 @@ def greedy_decode(model, source_ids, start_id, end_id, max_length=None, alpha=0.
     Compile it for speed, e.g. `jax.jit(lambda ids: greedy_decode(model, ids, 2, 3))`
     on JAX or `tf.function(...)` on TensorFlow.
     """
+    max_output_length = renamed_max_output_length("greedy_decode", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
-        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
+        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, cached_decoder,
                               prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
 
 
-def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_length=None,
-                  alpha=0.6, no_repeat_ngram_size=0):
+def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_output_length=None,
+                  alpha=0.6, no_repeat_ngram_size=0, **deprecated):
     """Batched sampling with the key/value cache: each token drawn from the model's distribution.
 
     The greedy loop with a random choice: at each step a row's token is drawn
@@ -190,8 +213,8 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
     the same output alone or in any batch, on every backend, every time.
 
     Args:
-        model, source_ids, start_id, end_id, max_length, alpha,
-            no_repeat_ngram_size: as in `greedy_decode`.
+        model, source_ids, start_id, end_id, max_output_length, alpha,
+            no_repeat_ngram_size: as in `greedy_decode` (`max_length=` too).
         seed: int, or int `[batch]`: one seed per sentence.
         temperature: float > 0, or float `[batch]`. Below 1 sharpens the
             distribution, above 1 flattens it.
@@ -211,13 +234,14 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
                                       temperature=0.8, top_k=10)
     ```
     """
+    max_output_length = renamed_max_output_length("sample_decode", max_output_length, deprecated)
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0 (top_k=1 is greedy decoding), got {temperature}")
     if isinstance(top_k, int) and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: every token), got {top_k}")
     check_options(None, no_repeat_ngram_size)
     with _no_gradient():
-        return _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, cached_decoder,
+        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, cached_decoder,
                               no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k))
 
 
@@ -227,11 +251,11 @@ def _per_row(value, batch_size, dtype):
     return ops.broadcast_to(ops.cast(ops.convert_to_tensor(value), dtype), (batch_size,))
 
 
-def _greedy_decode(model, source_ids, start_id, end_id, max_length, alpha, decoder, prefix_ids=None,
+def _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, decoder, prefix_ids=None,
                    no_repeat_ngram_size=0, sampling=None):
     """`greedy_decode` (or, with `sampling` = (seed, temperature, top_k), `sample_decode`) over
     `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
-    prepared = prepare(model, source_ids, max_length)
+    prepared = prepare(model, source_ids, max_output_length)
     batch_size = ops.shape(prepared.encoder_output)[0]
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, prepared.steps)
     options = {"limits": prepared.limits}
@@ -311,8 +335,8 @@ def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_t
 # -------------------------------------------------------------------- beam
 
 
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_length=None, n_best=None,
-                prefix_ids=None, no_repeat_ngram_size=0):
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None, n_best=None,
+                prefix_ids=None, no_repeat_ngram_size=0, **deprecated):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -344,8 +368,10 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         beam_size: hypotheses kept per sentence (4 in the paper).
         alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the
             paper): hypotheses rank by log P / ((5 + length) / 6)^alpha.
-        max_length: most output tokens; by default source length + 50. Never
-            more than the model's `max_length` with learned positions.
+        max_output_length: most output tokens; by default source length +
+            50. Never more than the model's `max_positions` with learned
+            positions. `max_length=` is its old name, still accepted (with a
+            `DeprecationWarning`).
         n_best: None for the best hypothesis alone; n (1 to `beam_size`) for
             the n best finished hypotheses of each sentence, all different,
             best first. The first is the one `n_best=None` returns.
@@ -375,13 +401,14 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     # tokens [batch, 4, steps]: four different translations of each sentence, best first
     ```
     """
+    max_output_length = renamed_max_output_length("beam_search", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
-        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, cached_decoder,
+        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_output_length, cached_decoder,
                             n_best, prefix_ids, no_repeat_ngram_size)
 
 
-def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_length, decoder, n_best=None,
+def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_output_length, decoder, n_best=None,
                  prefix_ids=None, no_repeat_ngram_size=0):
     """`beam_search` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
     if beam_size < 1:
@@ -389,7 +416,7 @@ def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_leng
     if n_best is not None and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be from 1 to beam_size ({beam_size}), got {n_best}")
     k, rows = beam_size, beam_size + 1  # per sentence: k beams, then the greedy hypothesis
-    prepared = prepare(model, source_ids, max_length)
+    prepared = prepare(model, source_ids, max_output_length)
     batch_size, steps = ops.shape(prepared.encoder_output)[0], prepared.steps
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, steps, rows)
     search = Beam(end_id, k, alpha, n_best=n_best, no_repeat_ngram_size=no_repeat_ngram_size)

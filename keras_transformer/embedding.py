@@ -1,6 +1,7 @@
 """Token embedding plus positional encoding (paper sections 3.4 and 3.5)."""
 
 import math
+import warnings
 
 import keras
 from keras import ops
@@ -43,11 +44,13 @@ class PositionalEmbedding(keras.layers.Layer):
         vocab_size: number of token ids.
         d_model: embedding width.
         dropout: dropout rate on the sum (paper section 5.4, P_drop).
-        learned_positions: learn a `[max_length, d_model]` position table
+        learned_positions: learn a `[max_positions, d_model]` position table
             instead of the sinusoids (the paper's variant in table 3, row E).
-        max_length: number of learned positions (required then): inputs may
-            cover positions 0 to max_length - 1 only, and longer ones raise
-            an error that names max_length.
+        max_positions: number of learned positions (required then): inputs
+            may cover positions 0 to max_positions - 1 only, and longer ones
+            raise an error that names max_positions. `max_length=` is its old
+            name, still accepted (with a `DeprecationWarning`; a saved
+            configuration with "max_length" loads without one).
 
     Shapes:
         call(token_ids `[batch, length]`, start_index=0) -> `[batch, length, d_model]`.
@@ -71,19 +74,20 @@ class PositionalEmbedding(keras.layers.Layer):
         d_model,
         dropout=0.0,
         learned_positions=False,
-        max_length=None,
+        max_positions=None,
         **kwargs,
     ):
+        max_positions = renamed_max_positions("PositionalEmbedding", max_positions, kwargs)
         super().__init__(**kwargs)
-        if learned_positions and not max_length:
-            raise ValueError("PositionalEmbedding(learned_positions=True) needs max_length.")
+        if learned_positions and not max_positions:
+            raise ValueError("PositionalEmbedding(learned_positions=True) needs max_positions.")
         if not learned_positions and d_model % 2:
             raise ValueError(f"The sinusoidal encoding needs an even d_model, got d_model={d_model}.")
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.dropout = dropout
         self.learned_positions = learned_positions
-        self.max_length = max_length
+        self.max_positions = max_positions
         self.token_embedding = keras.layers.Embedding(
             vocab_size,
             d_model,
@@ -92,7 +96,7 @@ class PositionalEmbedding(keras.layers.Layer):
             name="token_embedding",
         )
         self.position_embedding = (
-            keras.layers.Embedding(max_length, d_model, dtype=self.dtype_policy, name="position_embedding")
+            keras.layers.Embedding(max_positions, d_model, dtype=self.dtype_policy, name="position_embedding")
             if learned_positions
             else None
         )
@@ -122,7 +126,7 @@ class PositionalEmbedding(keras.layers.Layer):
         return self.dropout_layer(x, training=training)
 
     def _check_within_table(self, start_index, length):
-        """A ValueError naming max_length when the positions run past the learned table.
+        """A ValueError naming max_positions when the positions run past the learned table.
 
         Past its end a gather fails with an obscure message deep in the graph
         on CPU, and silently returns zeros on GPU. Checked wherever the
@@ -131,11 +135,11 @@ class PositionalEmbedding(keras.layers.Layer):
         table (their output bound stops there).
         """
         end = _concrete_int(start_index), _concrete_int(length)
-        if None in end or sum(end) <= self.max_length:
+        if None in end or sum(end) <= self.max_positions:
             return
         raise ValueError(
-            f"PositionalEmbedding(learned_positions=True, max_length={self.max_length}) has no position past "
-            f"{self.max_length - 1}; this input needs max_length >= start_index + length = {sum(end)}."
+            f"PositionalEmbedding(learned_positions=True, max_positions={self.max_positions}) has no position past "
+            f"{self.max_positions - 1}; this input needs max_positions >= start_index + length = {sum(end)}."
         )
 
     def compute_mask(self, token_ids, mask=None):
@@ -151,8 +155,41 @@ class PositionalEmbedding(keras.layers.Layer):
             "d_model": self.d_model,
             "dropout": self.dropout,
             "learned_positions": self.learned_positions,
-            "max_length": self.max_length,
+            "max_positions": self.max_positions,
         }
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config(saved_max_positions(config))
+
+
+def renamed_max_positions(owner, max_positions, kwargs):
+    """`max_positions` of `owner` (`PositionalEmbedding`, `Transformer`), or its old name `max_length=` taken
+    from the constructor's other keyword arguments `kwargs` (removed there), with a one-line
+    `DeprecationWarning`; both given: a ValueError naming both."""
+    if "max_length" not in kwargs:
+        return max_positions
+    max_length = kwargs.pop("max_length")
+    if max_positions is not None:
+        raise ValueError(f"{owner} got max_positions={max_positions!r} and max_length={max_length!r}: "
+                         "max_length is max_positions's old name, give max_positions only")
+    warnings.warn(f"{owner}(max_length=...) is now {owner}(max_positions=...) (read as such)", DeprecationWarning,
+                  stacklevel=3)
+    return max_length
+
+
+def saved_max_positions(config):
+    """`config` (a `PositionalEmbedding`'s or `Transformer`'s) with a "max_length" saved before it was renamed
+    "max_positions" (a .keras file, config.json's "model_config") read as "max_positions", without a warning:
+    a saved file is not the caller's to fix. A None of either name gives way to the other's value (an old
+    configuration merged with new overrides); two different numbers stay, and the constructor refuses them."""
+    config = dict(config)
+    if "max_length" in config:
+        if config.get("max_positions") is None:
+            config["max_positions"] = config.pop("max_length")
+        elif config["max_length"] in (None, config["max_positions"]):
+            del config["max_length"]
+    return config
 
 
 def _concrete_int(value):

@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_transformer.attention import head_size
 from keras_transformer.decoder import Decoder
-from keras_transformer.embedding import PositionalEmbedding
+from keras_transformer.embedding import PositionalEmbedding, renamed_max_positions, saved_max_positions
 from keras_transformer.encoder import Encoder
 from keras_transformer.masking import padding_mask
 
@@ -54,9 +54,12 @@ class Transformer(keras.Model):
         tie_output_embedding: the pre-softmax projection reuses the target
             embedding matrix (paper section 3.4).
         learned_positions: learned position embeddings instead of sinusoids.
-        max_length: number of learned positions, required with
+        max_positions: number of learned positions, required with
             `learned_positions`: sources and decoder inputs may have at most
-            `max_length` tokens, and decoding stops its outputs there.
+            `max_positions` tokens, and decoding stops its outputs there.
+            `max_length=` is its old name, still accepted (with a
+            `DeprecationWarning`; a saved configuration with "max_length",
+            a .keras file or config.json's "model_config", loads without one).
         attention_dropout: dropout on every attention's weights in training
             (not in the paper; 0 by default).
         activation_dropout: dropout on the feed-forward's inner activations
@@ -94,11 +97,12 @@ class Transformer(keras.Model):
         norm_first=False,
         tie_output_embedding=True,
         learned_positions=False,
-        max_length=None,
+        max_positions=None,
         attention_dropout=0.0,
         activation_dropout=0.0,
         **kwargs,
     ):
+        max_positions = renamed_max_positions("Transformer", max_positions, kwargs)
         super().__init__(**kwargs)
         given = (vocab_size is not None, source_vocab_size is not None, target_vocab_size is not None)
         if given not in ((True, False, False), (False, True, True)):
@@ -121,13 +125,13 @@ class Transformer(keras.Model):
         self.norm_first = norm_first
         self.tie_output_embedding = tie_output_embedding
         self.learned_positions = learned_positions
-        self.max_length = max_length
+        self.max_positions = max_positions
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
 
         def embedding(size, name):
             return PositionalEmbedding(
-                size, d_model, dropout, learned_positions, max_length, dtype=self.dtype_policy, name=name
+                size, d_model, dropout, learned_positions, max_positions, dtype=self.dtype_policy, name=name
             )
 
         if vocab_size is not None:
@@ -276,8 +280,8 @@ class Transformer(keras.Model):
             "decoder_cross_attention": float32(decoder_scores["cross_attention"]),
         }
 
-    def init_decoding_cache(self, encoder_output, max_length, rows_per_sentence=1):
-        """Caches for `decode_step`: empty self-attention keys/values for `max_length` target
+    def init_decoding_cache(self, encoder_output, cache_length, rows_per_sentence=1):
+        """Caches for `decode_step`: empty self-attention keys/values for `cache_length` target
         positions (0 for caches that grow), and the cross-attention keys/values of `encoder_output`,
         projected once here.
 
@@ -293,7 +297,7 @@ class Transformer(keras.Model):
         self._build_once()
         batch_size = ops.shape(encoder_output)[0]
         return {
-            "self_attention": self.decoder.empty_cache(batch_size * rows_per_sentence, max_length),
+            "self_attention": self.decoder.empty_cache(batch_size * rows_per_sentence, cache_length),
             "cross_attention": self.decoder.compute_cross_attention_cache(encoder_output),
         }
 
@@ -314,7 +318,7 @@ class Transformer(keras.Model):
             attention_ops: how the cached attentions compute
                 (`keras_transformer.attention.AttentionOps`); None: a fixed
                 buffer, `keras.ops`. `AttentionOps(growing_cache=True)`
-                takes a cache made with `max_length=0`.
+                takes a cache made with `cache_length=0`.
 
         Returns:
             (float32 logits `[rows, vocab]` for position `cache_index + 1`, updated cache).
@@ -348,7 +352,12 @@ class Transformer(keras.Model):
             "norm_first": self.norm_first,
             "tie_output_embedding": self.tie_output_embedding,
             "learned_positions": self.learned_positions,
-            "max_length": self.max_length,
+            "max_positions": self.max_positions,
             "attention_dropout": self.attention_dropout,
             "activation_dropout": self.activation_dropout,
         }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # A model saved before the rename (a .keras file, config.json's "model_config") has "max_length".
+        return super().from_config(saved_max_positions(config), custom_objects=custom_objects)

@@ -10,9 +10,10 @@ Special ids (defined here once; `PAD_ID` comes from `masking`, where the
 masks are built from it): pad 0, unk 1, start (bos) 2, end (eos) 3.
 
 Sequences:
-  source     = pieces(source_text)[:max_length - 1] + [END_ID]
+  source     = pieces(source_text)[:max_source_length - 1] + [END_ID]
   target_in  = [START_ID] + pieces(target_text)
   target_out = pieces(target_text) + [END_ID]
+(max_source_length: the most source tokens a model takes, end id included.)
 Model outputs are turned back into text by `common.tokenizer.decode_output`:
 everything from the first end id on, and padding, dropped before detokenizing.
 """

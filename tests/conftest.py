@@ -53,8 +53,9 @@ COMMAND_ENV = {k: v for k, v in SUBPROCESS_ENV.items() if k != "TF_CPP_MIN_LOG_L
 # An absl log line of TensorFlow's C++ ("I0000 00:00:1795909414.482418   21382 tf_record_dataset_op.cc:396] ..."),
 # at any level; not only at a line's start, as it may follow a progress bar's "\r".
 TF_LOG_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\]")
-QUICK_MODEL_MAX_LENGTH = 64  # config.json max_length of the quick model
-# More pieces than the quick model's source limit (QUICK_MODEL_MAX_LENGTH), however the vocabulary cuts it.
+QUICK_MODEL_MAX_SENTENCE_LENGTH = 64  # the quick model's, config.json's max_source_length
+# More pieces than the quick model's source limit (QUICK_MODEL_MAX_SENTENCE_LENGTH), however the vocabulary cuts
+# it.
 LONG_TEXT = "A dog runs along the beach while two children watch. " * 20
 # 10,000 characters: far over any model's length limit, and a large request.
 HUGE_TEXT = ("A dog runs along the beach while two children watch. " * 200)[:10_000]
@@ -131,7 +132,8 @@ def quick_model_dir(tmp_path_factory):
     from quick_model import build_quick_model_dir
 
     return built_once(tmp_path_factory, "quick-en-de", lambda folder: build_quick_model_dir(
-        folder, MULTI30K, lines=2000, vocab_size=400, steps=200, max_length=QUICK_MODEL_MAX_LENGTH))
+        folder, MULTI30K, lines=2000, vocab_size=400, steps=200,
+        max_sentence_length=QUICK_MODEL_MAX_SENTENCE_LENGTH))
 
 
 def random_ids(rng, batch, length, low=4, high=VOCAB):
@@ -229,15 +231,20 @@ def two_batch_epochs_args(tmp_path, model_dir):
             "--no-validation", "--verbose", "0"]
 
 
-def as_recorded_before_the_length_penalty_rename(model_dir, dest):
-    """`dest` (returned): a model directory with `model_dir`'s config.json as kt-train recorded it before its
-    length penalty was named "length_penalty" (the "training" key "alpha" instead), and `model_dir`'s tokenizer
-    if it has one; not its model (pass the commands `--model-file MODEL_DIR/model.keras`)."""
+def as_recorded_before_the_renames(model_dir, dest):
+    """`dest` (returned): a model directory with `model_dir`'s config.json as kt-train recorded it before the
+    renames of common.run_dir.RENAMED_SETTINGS (the "training" keys "alpha" and "max_length" for "length_penalty"
+    and "max_sentence_length", and the source limit as "max_length", not "max_source_length"), and `model_dir`'s
+    tokenizer if it has one; not its model (pass the commands `--model-file MODEL_DIR/model.keras`)."""
+    from common.run_dir import RENAMED_SETTINGS
+
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    training = config["training"]
-    config["training"] = {("alpha" if k == "length_penalty" else k): v for k, v in training.items()}
+    old_name = {renamed.new: old for old, renamed in RENAMED_SETTINGS.items()}
+    config["training"] = {old_name.get(k, k): v for k, v in config["training"].items()}
+    if "max_source_length" in config:
+        config["max_length"] = config.pop("max_source_length")
     assert "alpha" in config["training"], "model_dir recorded no length_penalty"
     (dest / "config.json").write_text(json.dumps(config), encoding="utf-8")
     if (Path(model_dir) / "tokenizer.model").is_file():
@@ -519,19 +526,19 @@ def trimmed(tokens):
     return tokens[:, : used[-1] + 1 if len(used) else 0]
 
 
-def uncached_greedy(model, source, max_length):
+def uncached_greedy(model, source, max_output_length):
     """Greedy decoding by the definition: a full forward pass for every new token.
 
-    The pass reads the whole target buffer `[batch, max_length + 1]`, padded after the tokens chosen so far,
+    The pass reads the whole target buffer `[batch, max_output_length + 1]`, padded after the tokens chosen so far,
     so every pass has one shape: JAX's eager ops then compile once, not once per length. The padding sits at
     future positions, which the causal mask hides (and padding keys are masked besides)."""
-    target = np.zeros((len(source), max_length + 1), "int32")
+    target = np.zeros((len(source), max_output_length + 1), "int32")
     target[:, 0] = START_ID
     finished = np.zeros(len(source), bool)
-    for t in range(max_length):
+    for t in range(max_output_length):
         log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(model((source, target))[:, t]))
         log_probs[:, 0] = -np.inf  # padding is never produced
-        if t + 1 == max_length:
+        if t + 1 == max_output_length:
             log_probs[:, np.arange(log_probs.shape[1]) != END_ID] = -np.inf
         token = np.where(finished, 0, log_probs.argmax(-1))
         target[:, t + 1] = token

@@ -24,13 +24,14 @@ import tensorflow as tf
 from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME
 from keras_transformer.text import read_lines, train_sentencepiece, vocab_size_of
 from common.tokenizer import make_tokenizer
-from training.config import DEFAULTS, write_config
+from training.config import TrainSettings, write_config
 from training.fit import build_and_compile
 from training.pipeline import make_batches
 
 
 def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang="de", lines=2000, vocab_size=400,
-                          steps=300, preset="tiny", learning_rate=3e-3, max_length=64, tokens_per_batch=1024,
+                          steps=300, preset="tiny", learning_rate=3e-3, max_sentence_length=64,
+                          tokens_per_batch=1024,
                           seed=1234) -> Path:
     """Trains a sentencepiece vocabulary and a small model on the first `lines` Multi30k training
     pairs and saves them with training's own functions. Returns `model_dir`."""
@@ -49,20 +50,20 @@ def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang=
     tokenizer = make_tokenizer(proto)
     vocab = vocab_size_of(proto)
 
-    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
-    cfg.update(preset=preset, source_lang=source_lang, target_lang=target_lang, model_dir=str(model_dir),
-               vocab_size=vocab_size, max_length=max_length, tokens_per_batch=tokens_per_batch, seed=seed,
-               steps_per_epoch=steps, epochs=1, dataset="files", validation=False)
+    settings = TrainSettings(preset=preset, source_lang=source_lang, target_lang=target_lang, model_dir=str(model_dir),
+                             vocab_size=vocab_size, max_sentence_length=max_sentence_length,
+                             tokens_per_batch=tokens_per_batch, seed=seed, steps_per_epoch=steps, epochs=1,
+                             dataset="files", validation=False)
     pairs = tf.data.Dataset.from_tensor_slices((sources, targets))
-    batches = make_batches(pairs, tokenizer, max_length=max_length, tokens_per_batch=tokens_per_batch,
+    batches = make_batches(pairs, tokenizer, max_sentence_length=max_sentence_length, tokens_per_batch=tokens_per_batch,
                            shuffle=True, seed=seed, repeat=True)
-    model = build_and_compile(cfg, vocab, optimizer=keras.optimizers.Adam(learning_rate))
+    model = build_and_compile(settings, vocab, optimizer=keras.optimizers.Adam(learning_rate))
     t0 = time.time()
     history = model.fit(batches, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)  # the dataset shuffles itself
     summary = {"optimizer_steps": steps, "final_loss": float(history.history["loss"][-1]),
                "seconds": round(time.time() - t0, 1), "quick_model": {"lines": lines, "learning_rate": learning_rate}}
     model.save(model_dir / MODEL_FILENAME)
-    write_config(cfg, model_dir, vocab, model, "float32", extra={"last_run": summary})
+    write_config(settings, model_dir, vocab, model, "float32", extra={"last_run": summary})
     return model_dir
 
 

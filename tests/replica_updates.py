@@ -26,7 +26,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from training.config import DEFAULTS  # noqa: E402
+from training.config import TrainSettings  # noqa: E402
 from training.distribute import make_strategy, worker_info  # noqa: E402
 from training.fit import build_and_compile  # noqa: E402
 from keras_transformer.keras_internals import build_fit_state_now  # noqa: E402
@@ -80,8 +80,8 @@ def dataset(data, sample_weights=None):
 
 
 def config(accumulate, clip, r_drop, **extra):
-    return dict(DEFAULTS, preset="tiny", model={"dropout": 0.0, "num_encoder_layers": 1, "num_decoder_layers": 1}, warmup_steps=10, grad_accum=accumulate,
-                global_clipnorm=clip, r_drop=r_drop, **extra)
+    return TrainSettings(preset="tiny", model={"dropout": 0.0, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         warmup_steps=10, grad_accum=accumulate, global_clipnorm=clip, r_drop=r_drop, **extra)
 
 
 def tracked(model):

@@ -39,8 +39,8 @@ def test_one_contract_per_search_name():
     """docs/library.md, "The two searches": a name has one meaning. A public function of `export.search` named as
     a public one of `keras_transformer.decoding` or `keras_transformer` is that very function (re-exported:
     `prepare`, `output_bound`, ...); the engine's own searches are named apart, take the library's arguments in
-    its order (names and defaults) and their own options keyword-only, and call the decoder step with the
-    library's `NextLogits` order, then the memory."""
+    its order (names and defaults) and their own options keyword-only (and, as the library's, old argument names
+    in `**deprecated`), and call the decoder step with the library's `NextLogits` order, then the memory."""
     from keras_transformer import decoding
 
     library = {name: getattr(decoding, name) for name in decoding.__all__}
@@ -51,6 +51,9 @@ def test_one_contract_per_search_name():
     for engine, library_search in ((engine_greedy_decode, kt.greedy_decode), (engine_beam_search, kt.beam_search)):
         engine_parameters = list(inspect.signature(engine).parameters.values())
         library_parameters = list(inspect.signature(library_search).parameters.values())
+        old_names = inspect.Parameter("deprecated", inspect.Parameter.VAR_KEYWORD)
+        assert engine_parameters[-1] == library_parameters[-1] == old_names, engine.__name__
+        engine_parameters, library_parameters = engine_parameters[:-1], library_parameters[:-1]
         assert engine_parameters[:len(library_parameters)] == library_parameters, engine.__name__
         assert {p.kind for p in engine_parameters[len(library_parameters):]} == {inspect.Parameter.KEYWORD_ONLY}
     for use_cache in (True, False):
@@ -165,7 +168,8 @@ def test_the_engine_decodes_what_the_library_decodes_on_100_multi30k_sentences(q
 
     model, tokenizer, config = load_model_dir(quick_model_dir)
     model = engine_model(model, "float32")
-    source = encode_source(tokenizer, tf.constant(multi30k_lines("val.en", 100)), config["max_length"]).to_tensor(0)
+    sources = tf.constant(multi30k_lines("val.en", 100))
+    source = encode_source(tokenizer, sources, config["max_source_length"]).to_tensor(0)
     tokens = _assert_engine_decodes_what_the_library_decodes(model, source)
     assert (tokens == END).sum() > 50  # a trained model: its outputs end
 
@@ -396,8 +400,8 @@ def test_greedy_equals_greedy_by_the_definition(seed, vocab):
     model = random_model(seed, vocab)
     source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
     source[1, 3:] = 0
-    tokens, _ = _greedy(model, max_length=12)(source)
-    expected = uncached_greedy(model, source, max_length=12)
+    tokens, _ = _greedy(model, max_output_length=12)(source)
+    expected = uncached_greedy(model, source, max_output_length=12)
     np.testing.assert_array_equal(tokens.numpy(), expected[:, : tokens.shape[1]])
     assert (expected[:, tokens.shape[1] :] == 0).all()
 
@@ -597,7 +601,7 @@ def test_default_limit_is_source_length_plus_50():
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end,
     outside XLA and under it (where the bound comes from the padded source length)."""
-    model = never_ending_model(learned_positions=True, max_length=12)
+    model = never_ending_model(learned_positions=True, max_positions=12)
     source = sources_of_2_and_6_tokens()
     for decode in (engine_greedy_decode, engine_beam_search):
         for jit_compile in (False, True):
@@ -606,8 +610,24 @@ def test_learned_positions_cap_the_output_at_the_position_table():
             assert list((tokens != 0).sum(axis=1)) == [12, 12]
             assert (tokens[:, 11] == END).all()
     # An explicit limit past the table is capped too; one within it is kept.
-    assert engine_greedy_decode(model, source, START, END, max_length=30)[0].shape == (2, 12)
-    assert engine_greedy_decode(model, source, START, END, max_length=5)[0].shape == (2, 5)
+    assert engine_greedy_decode(model, source, START, END, max_output_length=30)[0].shape == (2, 12)
+    assert engine_greedy_decode(model, source, START, END, max_output_length=5)[0].shape == (2, 5)
+
+
+def test_the_engine_searches_take_their_old_max_length_argument_with_a_deprecation_warning():
+    model = never_ending_model()  # every output runs to the limit
+    source = sources_of_2_and_6_tokens()
+    expected = engine_greedy_decode(model, source, START, END, max_output_length=5)[0].numpy()
+    with pytest.warns(DeprecationWarning, match=r"^engine_greedy_decode\(max_length=\.\.\.\) is now "
+                                                r"engine_greedy_decode\(max_output_length=") as caught:
+        tokens = engine_greedy_decode(model, source, START, END, max_length=5)[0].numpy()
+    assert [w.filename for w in caught if "max_length" in str(w.message)] == [__file__]
+    assert tokens.shape == (2, 5)
+    np.testing.assert_array_equal(tokens, expected)
+    with pytest.warns(DeprecationWarning, match=r"^engine_beam_search\(max_length=\.\.\.\) is now "):
+        assert engine_beam_search(model, source, START, END, beam_size=2, max_length=2)[0].shape == (2, 2)
+    with pytest.raises(ValueError, match="got max_output_length=5 and max_length=5: max_length is max_output_length's"):
+        engine_greedy_decode(model, source, START, END, max_output_length=5, max_length=5)
 
 
 def test_empty_batch_bad_rank_and_a_model_never_called():
@@ -619,5 +639,5 @@ def test_empty_batch_bad_rank_and_a_model_never_called():
     with pytest.raises(ValueError, match=r"source_ids of shape \[batch, source_len\]"):
         engine_greedy_decode(model, np.zeros((4,), "int32"), START, END)
     fresh = kt.Transformer.from_preset("tiny", vocab_size=20)
-    tokens, scores = engine_greedy_decode(fresh, np.array([[5, 6, 3]], "int32"), START, END, max_length=4)
+    tokens, scores = engine_greedy_decode(fresh, np.array([[5, 6, 3]], "int32"), START, END, max_output_length=4)
     assert tokens.shape[0] == 1 and scores.shape == (1,)

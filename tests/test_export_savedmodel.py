@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import HUGE_TEXT, LONG_TEXT, QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
+from conftest import HUGE_TEXT, LONG_TEXT, QUICK_MODEL_MAX_SENTENCE_LENGTH as MAX_SOURCE_LENGTH
 from conftest import multi30k_lines as _lines
 from conftest import XLA_MAX_BATCH, load_saved_model, needs_multi30k, run_tf1, write_lines
 from export import graph_ops
@@ -50,7 +50,7 @@ def engine_translations(model_dir, texts, beam_size=4):
 
     @tf.function
     def decode(texts):
-        source = encode_source(tokenizer, texts, cfg["max_length"]).to_tensor(0)
+        source = encode_source(tokenizer, texts, cfg["max_source_length"]).to_tensor(0)
         if beam_size == 1:
             return engine_greedy_decode(model, source, START_ID, END_ID)
         return engine_beam_search(model, source, START_ID, END_ID, beam_size=beam_size)
@@ -118,11 +118,11 @@ def test_tf1_session_loader_serves_text_like_the_engine_in_process(exported, mod
     assert len(set(_unb64(bad_out["translation"])[:3])) == 1
     # Invalid UTF-8 is translated as its U+FFFD replacement.
     assert _unb64(bad_out["translation"])[4:7] == _unb64(replaced_out["translation"])
-    # The 10,000-character input is truncated to max_length source tokens (end id last); empty input is [end].
+    # The 10,000-character input is truncated to max_source_length source tokens (end id last); empty input is [end].
     ids = np.array(tokenized["source_ids"])
-    assert tokenized["source_ids_shape"] == [3, MAX_LENGTH]
+    assert tokenized["source_ids_shape"] == [3, MAX_SOURCE_LENGTH]
     assert ids[0, -1] == 3 and (ids[0] != 0).all()
-    assert ids[1].tolist() == [3] + [0] * (MAX_LENGTH - 1)
+    assert ids[1].tolist() == [3] + [0] * (MAX_SOURCE_LENGTH - 1)
     # A batch of 0 and a batch of 512.
     assert empty["translation_shape"] == [0] and empty["score_shape"] == [0]
     assert batch_512["translation_shape"] == [512] and batch_512["score_shape"] == [512]
@@ -175,7 +175,7 @@ def test_small_batches_decode_under_xla_through_the_export(model_dir, exported, 
                                                                             fixed_shapes=True), jit_compile=True)}
 
     def alone_under_xla(signature, text):
-        source = encode_source(tokenizer, tf.constant([text]), cfg["max_length"]).to_tensor(0)
+        source = encode_source(tokenizer, tf.constant([text]), cfg["max_source_length"]).to_tensor(0)
         source = tf.pad(source, [[0, 0], [0, -source.shape[1] % 16]])
         tokens, score = compiled[signature](source)
         row = tokens.numpy()[0].tolist()
@@ -258,7 +258,7 @@ def test_a_sentence_translates_the_same_alone_and_among_1_63_or_511_others(expor
 
 
 def test_every_signature_says_whether_the_source_was_truncated(model_dir, exported, tmp_path):
-    """`truncated` is True exactly when the source has more than max_length - 1 pieces (the end id takes the
+    """`truncated` is True exactly when the source has more than max_source_length - 1 pieces (the end id takes the
     last place), in every signature, through the TF1 loader TF Serving uses."""
     import sentencepiece as spm
 
@@ -268,11 +268,11 @@ def test_every_signature_says_whether_the_source_was_truncated(model_dir, export
     result = run_tf1(exported, [("serving_default", texts), ("greedy", texts), ("tokenize", texts)], tmp_path)
     for run in result["runs"]:
         assert run["truncated"] == [False, True, False, False] and run["truncated_shape"] == [4]
-    # At the limit exactly: max_length - 1 pieces fit, one more does not (translate_ids, ids in).
+    # At the limit exactly: max_source_length - 1 pieces fit, one more does not (translate_ids, ids in).
     pieces = sp.encode(LONG_TEXT)
     loaded = load_saved_model(exported)
-    sources = tf.ragged.constant([pieces[:MAX_LENGTH - 1] + [END_ID], pieces[:MAX_LENGTH] + [END_ID],
-                                  pieces[:MAX_LENGTH - 1]]).to_tensor(0)
+    sources = tf.ragged.constant([pieces[:MAX_SOURCE_LENGTH - 1] + [END_ID], pieces[:MAX_SOURCE_LENGTH] + [END_ID],
+                                  pieces[:MAX_SOURCE_LENGTH - 1]]).to_tensor(0)
     assert loaded.signatures["translate_ids"](source_ids=sources)["truncated"].numpy().tolist() == [False, True, False]
 
 
@@ -316,7 +316,7 @@ def test_kt_evaluate_scores_the_served_graph(model_dir, exported, tmp_path):
 
 
 def test_translate_ids_truncates_the_source_like_the_text_signatures(model_dir, exported):
-    """translate_ids decodes the source the text signatures decode: at most max_length - 1 pieces, then the
+    """translate_ids decodes the source the text signatures decode: at most max_source_length - 1 pieces, then the
     end id, whatever length the client sends (with or without its end id)."""
     import sentencepiece as spm
 
@@ -324,12 +324,12 @@ def test_translate_ids_truncates_the_source_like_the_text_signatures(model_dir, 
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
     long_text = " ".join(_lines("val.en", 40))
     pieces = sp.encode(long_text)
-    assert len(pieces) > 4 * MAX_LENGTH
+    assert len(pieces) > 4 * MAX_SOURCE_LENGTH
     short = _lines("val.en", 1)[0]
     sources = tf.ragged.constant([pieces + [END_ID], sp.encode(short) + [END_ID], pieces]).to_tensor(0)
     got = loaded.signatures["translate_ids"](source_ids=sources)
     truncated = loaded.signatures["tokenize"](text=tf.constant([long_text, short, long_text]))["source_ids"]
-    assert truncated.shape[1] == MAX_LENGTH
+    assert truncated.shape[1] == MAX_SOURCE_LENGTH
     expected = loaded.signatures["translate_ids"](source_ids=truncated)
     np.testing.assert_array_equal(got["tokens"].numpy(), expected["tokens"].numpy())
     np.testing.assert_allclose(got["score"].numpy(), expected["score"].numpy(), rtol=1e-5, atol=1e-5)

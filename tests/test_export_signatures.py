@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from conftest import QUICK_MODEL_MAX_LENGTH as MAX_LENGTH
+from conftest import QUICK_MODEL_MAX_SENTENCE_LENGTH as MAX_SOURCE_LENGTH
 from conftest import LONG_TEXT, load_saved_model, multi30k_lines, needs_multi30k, run_tf1
 from export.engine_weights import engine_model
 from export.translator import decode_policy, load_model_dir
@@ -35,14 +35,14 @@ def reference(quick_model_dir):
         return out
 
     def source_ids(texts):
-        """The export's source: at most max_length - 1 pieces, then the end id."""
-        return padded([sp.encode(t)[: config["max_length"] - 1] + [END_ID] for t in texts])
+        """The export's source: at most max_source_length - 1 pieces, then the end id."""
+        return padded([sp.encode(t)[: config["max_source_length"] - 1] + [END_ID] for t in texts])
 
     def pieces(texts):
         return padded([sp.encode(t) for t in texts])
 
     def too_long(texts):
-        return [len(sp.encode(t)) > config["max_length"] - 1 for t in texts]
+        return [len(sp.encode(t)) > config["max_source_length"] - 1 for t in texts]
 
     def detokenize(tokens):
         rows = [list(row) for row in np.asarray(tokens)]
@@ -144,7 +144,7 @@ def test_the_score_signature_is_the_teacher_forced_score(exported, reference, tm
     sources_cut = reference["too_long"](texts + ["", texts[0]])
     targets_cut = reference["too_long"](targets + [targets[0], LONG_TEXT])
     assert scored["truncated"] == [a or b for a, b in zip(sources_cut, targets_cut)] and scored["truncated"][-1]
-    assert target.shape[1] == MAX_LENGTH
+    assert target.shape[1] == MAX_SOURCE_LENGTH
 
     # Where detokenizing and tokenizing again gives the beam's own pieces, the score is the beam's.
     beam_tokens, _ = reference["prefixed"](reference["source_ids"](texts), tf.zeros([10, 0], tf.int32))

@@ -54,7 +54,7 @@ lines = [open("{MULTI30K}/train." + lang, encoding="utf-8").read().split("\\n")[
 tok = make_tokenizer(train_sentencepiece(lines[0] + lines[1], vocab_size=500))
 pairs = tf.data.Dataset.from_tensor_slices((lines[0], lines[1]))
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-batches = make_batches(pairs, tok, max_length=40, tokens_per_batch=500, num_replicas=2, copies=2, shuffle=False)
+batches = make_batches(pairs, tok, max_sentence_length=40, tokens_per_batch=500, num_replicas=2, copies=2, shuffle=False)
 shares = 0
 for (source, target_in), target_out in strategy.experimental_distribute_dataset(batches):
     for part in (source, target_in, target_out):

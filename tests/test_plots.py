@@ -20,7 +20,7 @@ def run_dir(tmp_path_factory):
     import keras_transformer as kt
     from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME
     from keras_transformer.text import train_sentencepiece, vocab_size_of
-    from training.config import resolve_config, write_config
+    from training.config import resolve_settings, write_config
 
     d = tmp_path_factory.mktemp("plots") / "run"
     d.mkdir()
@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory):
     model = kt.Transformer.from_preset("tiny", vocab_size=vocab_size)
     model.build()
     model.save(d / MODEL_FILENAME)
-    cfg = resolve_config(["--preset", "tiny", "--model-dir", str(d), "--warmup-steps", "20"])
+    cfg = resolve_settings(["--preset", "tiny", "--model-dir", str(d), "--warmup-steps", "20"])
     write_config(cfg, d, vocab_size, model, "float32", extra={"last_run": {"optimizer_steps": 90}})
     (d / "history.csv").write_text(
         "epoch,loss,masked_accuracy,val_loss,val_masked_accuracy\n"

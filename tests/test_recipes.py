@@ -19,25 +19,25 @@ PAPER = {
 @pytest.mark.parametrize("size", ["base", "big"])
 def test_the_wmt14_recipes_have_the_papers_settings(size):
     import keras_transformer as kt
-    from training.config import check_settings, resolve_config
+    from training.config import check_settings, resolve_settings
 
-    cfg = resolve_config(["--config", str(REPO / "configs" / f"wmt14-{size}.json")])
+    cfg = resolve_settings(["--config", str(REPO / "configs" / f"wmt14-{size}.json")])
     check_settings(cfg)
     paper = PAPER[size]
-    model = kt.Transformer.from_preset(cfg["preset"], vocab_size=cfg["vocab_size"], **cfg["model"])
+    model = kt.Transformer.from_preset(cfg.preset, vocab_size=cfg.vocab_size, **cfg.model)
     got = {key: getattr(model, key, None) for key in ("d_model", "d_ff", "num_heads", "dropout")}
     assert got == {key: paper[key] for key in got}, got
     assert (model.num_encoder_layers, model.num_decoder_layers) == (6, 6)
     # Post-norm residuals, sinusoidal positions, the embeddings shared with the pre-softmax projection.
     assert not model.norm_first and not model.learned_positions and model.tie_output_embedding
-    assert (cfg["dataset"], cfg["source_lang"], cfg["target_lang"]) == ("wmt14_translate/de-en", "en", "de")
+    assert (cfg.dataset, cfg.source_lang, cfg.target_lang) == ("wmt14_translate/de-en", "en", "de")
     # A shared source-target vocabulary of about 37,000 byte-pair pieces, from all 4.5M pairs' both sides.
-    assert (cfg["vocab_size"], cfg["vocab_type"], cfg["vocab_sample"]) == (37_000, "bpe", 9_000_000)
+    assert (cfg.vocab_size, cfg.vocab_type, cfg.vocab_sample) == (37_000, "bpe", 9_000_000)
     # About 25,000 source and 25,000 target tokens an update, on any number of replicas.
-    assert cfg["tokens_per_batch"] == 25_000 and not cfg.get("tokens_per_replica")
-    assert (cfg["label_smoothing"], cfg["warmup_steps"], cfg["adam_epsilon"]) == (0.1, 4000, 1e-9)
-    assert (cfg["max_updates"], cfg["epochs"], cfg["average_last"]) == (paper["updates"], None, paper["averaged"])
-    assert cfg["checkpoint_every"] and (cfg["beam_size"], cfg["length_penalty"]) == (4, 0.6)
+    assert cfg.tokens_per_batch == 25_000 and not cfg.tokens_per_replica
+    assert (cfg.label_smoothing, cfg.warmup_steps, cfg.adam_epsilon) == (0.1, 4000, 1e-9)
+    assert (cfg.max_updates, cfg.epochs, cfg.average_last) == (paper["updates"], None, paper["averaged"])
+    assert cfg.checkpoint_every and (cfg.beam_size, cfg.length_penalty) == (4, 0.6)
 
 
 def test_make_train_runs_the_wmt14_recipe_on_tfds_mock_data_through_to_an_export(tmp_path):

@@ -13,24 +13,24 @@ import pytest
 from conftest import COMMAND_ENV, MULTI30K, REPO, SUBPROCESS_ENV, TF_LOG_LINE, multi30k_lines, needs_multi30k
 from conftest import history_rows, two_batch_epochs_args, write_lines
 from training import ONEDNN_ENV
-from training.config import DEFAULTS, resolve_config
+from training.config import default, resolve_settings
 
 
 def test_config_precedence(tmp_path):
-    cfg = resolve_config([])
-    assert cfg["preset"] == DEFAULTS["preset"] and cfg["tokens_per_batch"] == DEFAULTS["tokens_per_batch"]
+    cfg = resolve_settings([])
+    assert cfg.preset == default("preset") and cfg.tokens_per_batch == default("tokens_per_batch")
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"preset": "base", "epochs": 30, "warmup_steps": 100,
                              "model": {"dropout": 0.2, "norm_first": True}}))
-    cfg = resolve_config(["--config", str(f), "--epochs", "5", "--model-arg", "dropout=0.3",
+    cfg = resolve_settings(["--config", str(f), "--epochs", "5", "--model-arg", "dropout=0.3",
                           "--model-arg", "num_heads=4"])
-    assert cfg["preset"] == "base" and cfg["warmup_steps"] == 100  # from the file
-    assert cfg["epochs"] == 5  # flag beats file
-    assert cfg["model"] == {"dropout": 0.3, "norm_first": True, "num_heads": 4}
-    assert resolve_config(["--train-files", "a", "b"])["dataset"] == "files"
+    assert cfg.preset == "base" and cfg.warmup_steps == 100  # from the file
+    assert cfg.epochs == 5  # flag beats file
+    assert cfg.model == {"dropout": 0.3, "norm_first": True, "num_heads": 4}
+    assert resolve_settings(["--train-files", "a", "b"]).dataset == "files"
     f.write_text(json.dumps({"epoch": 3}))
     with pytest.raises(SystemExit, match="epoch"):
-        resolve_config(["--config", str(f)])
+        resolve_settings(["--config", str(f)])
 
 
 LENGTH_PENALTY_KEY_NOTE = '[kt-train] note: config key "alpha" is now "length_penalty" (read as such)'
@@ -42,34 +42,127 @@ def test_length_penalty_is_read_from_its_old_config_key_and_flag_with_a_note(tmp
     flag --alpha, its old names, still set it, each with a one-line note; both names at once are refused."""
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"length_penalty": 1.0}))
-    cfg = resolve_config(["--config", str(f)])
-    assert cfg["length_penalty"] == 1.0 and "alpha" not in cfg
-    assert resolve_config(["--length-penalty", "0.9"])["length_penalty"] == 0.9
+    cfg = resolve_settings(["--config", str(f)])
+    assert cfg.length_penalty == 1.0 and "alpha" not in cfg.to_dict()
+    assert resolve_settings(["--length-penalty", "0.9"]).length_penalty == 0.9
     assert "note" not in capsys.readouterr().out
 
     f.write_text(json.dumps({"alpha": 1.5, "beam_size": 5}))
-    cfg = resolve_config(["--config", str(f)])
-    assert (cfg["length_penalty"], cfg["beam_size"]) == (1.5, 5) and "alpha" not in cfg
+    cfg = resolve_settings(["--config", str(f)])
+    assert (cfg.length_penalty, cfg.beam_size) == (1.5, 5) and "alpha" not in cfg.to_dict()
     assert capsys.readouterr().err.splitlines() == [LENGTH_PENALTY_KEY_NOTE]
-    assert resolve_config(["--config", str(f), "--length-penalty", "0.7"])["length_penalty"] == 0.7  # flag beats file
+    assert resolve_settings(["--config", str(f), "--length-penalty", "0.7"]).length_penalty == 0.7  # flag beats file
     capsys.readouterr()
 
-    cfg = resolve_config(["--alpha", "0.8"])
-    assert cfg["length_penalty"] == 0.8 and "alpha" not in cfg and "deprecated_alpha" not in cfg
+    cfg = resolve_settings(["--alpha", "0.8"])
+    assert cfg.length_penalty == 0.8 and "alpha" not in cfg.to_dict() and "renamed_alpha" not in cfg.to_dict()
     assert capsys.readouterr().err.splitlines() == [LENGTH_PENALTY_FLAG_NOTE]
 
     with pytest.raises(SystemExit):
-        resolve_config(["--alpha", "0.8", "--length-penalty", "0.9"])
+        resolve_settings(["--alpha", "0.8", "--length-penalty", "0.9"])
     assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err
     f.write_text(json.dumps({"alpha": 1.5, "length_penalty": 1.0}))
     with pytest.raises(SystemExit, match='config key "alpha" is the old name of "length_penalty": give '
                                          '"length_penalty" only'):
-        resolve_config(["--config", str(f)])
+        resolve_settings(["--config", str(f)])
+
+
+def test_the_training_pair_limit_is_max_sentence_length_its_old_key_and_flag_still_read_with_a_note(tmp_path, capsys):
+    """kt-train's training-pair filter is `--max-sentence-length` / "max_sentence_length"; its old names, the flag
+    --max-length and a --config file's "max_length", still set it, each with a one-line note; both at once are
+    refused. (A "max_length" under "model" is the Transformer's own argument, not this setting.)"""
+    assert resolve_settings(["--max-sentence-length", "64"]).max_sentence_length == 64
+    assert "note" not in capsys.readouterr().err
+    cfg = resolve_settings(["--max-length", "40"])
+    assert cfg.max_sentence_length == 40 and "max_length" not in cfg.to_dict()
+    assert capsys.readouterr().err.splitlines() == [
+        "[kt-train] note: --max-length is now --max-sentence-length (read as such)"]
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"max_length": 256}))
+    assert resolve_settings(["--config", str(f)]).max_sentence_length == 256
+    assert capsys.readouterr().err.splitlines() == [
+        '[kt-train] note: config key "max_length" is now "max_sentence_length" (read as such)']
+    with pytest.raises(SystemExit):
+        resolve_settings(["--max-length", "40", "--max-sentence-length", "50"])
+    assert "--max-length is the old name of --max-sentence-length" in capsys.readouterr().err
+    f.write_text(json.dumps({"max_length": 256, "max_sentence_length": 128}))
+    with pytest.raises(SystemExit, match='"max_length" is the old name of "max_sentence_length"'):
+        resolve_settings(["--config", str(f)])
+
+
+def test_a_run_records_its_source_limit_as_max_source_length_and_an_older_runs_max_length_is_read():
+    """config.json's "max_source_length" (kt-train's max_sentence_length) is the longest source kt-evaluate and
+    the export translate; a run written before the name recorded it as "max_length"."""
+    from common.run_dir import max_source_length
+
+    assert max_source_length({"max_source_length": 96}) == 96
+    assert max_source_length({"max_length": 64}) == 64
+    assert max_source_length({}) is None
+
+
+def test_every_setting_has_one_type_default_help_and_its_flags_in_the_one_dataclass(capsys):
+    """`TrainSettings` is the one list of kt-train's settings: each field has a help and a group, each flag
+    kt-train has sets one of them, --help shows every flag with the setting's default, and each field's default
+    has the field's type."""
+    from training.config import SETTINGS, TrainSettings, build_parser, flags_of, type_problem
+
+    with pytest.raises(SystemExit):
+        resolve_settings(["--help"])
+    shown = capsys.readouterr().out
+    parser_flags = {option for action in build_parser()._actions for option in action.option_strings}
+    declared = {"-h", "--help", "--config", "--alpha", "--max-length"}  # the old names are hidden from --help
+    for name, field in SETTINGS.items():
+        assert field.metadata["help"] and field.metadata["group"], name
+        assert type_problem(name, getattr(TrainSettings(), name)) is None, name
+        for flag in flags_of(name):
+            assert flag.name in shown, flag.name
+            declared.add(flag.name)
+    assert parser_flags == declared
+    assert "--max-sentence-length N" in shown and "drop training pairs" in shown
+    assert "--tokens-per-batch TOKENS_PER_BATCH" in shown and "(default: 4096)" in shown
+
+
+def test_the_readme_settings_table_is_the_one_the_settings_make():
+    """training/README.md's table of settings is `python -m training.config`'s output (regenerate it with that
+    command when a setting changes)."""
+    from training.config import settings_table
+
+    readme = (REPO / "training" / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- settings table: python -m training.config -->\n", "\n<!-- end of the settings table -->"
+    assert start in readme and end in readme
+    assert readme.split(start, 1)[1].split(end, 1)[0] == settings_table(), (
+        "training/README.md's settings table is not TrainSettings': paste `python -m training.config`'s output "
+        "between its markers")
+
+
+def test_a_config_file_with_a_value_of_the_wrong_type_or_an_unknown_key_is_refused_naming_it(tmp_path):
+    f = tmp_path / "c.json"
+    for bad, words in (({"epochs": "10"}, '"epochs": expected int or null, got \'10\''),
+                       ({"label_smoothing": True}, '"label_smoothing": expected float'),
+                       ({"train_files": ["a.en"]}, '"train_files": expected a \\[SOURCE, TARGET\\] pair'),
+                       ({"lowercase": "yes"}, '"lowercase": expected bool'),
+                       ({"epoch": 3}, "unknown keys \\['epoch'\\]")):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=words):
+            resolve_settings(["--config", str(f)])
+    f.write_text(json.dumps({"epochs": None, "max_updates": 10, "learning_rate_scale": 2, "mixed_precision": False,
+                             "train_files": ["a.en", "a.de"]}))
+    cfg = resolve_settings(["--config", str(f)])  # an int where a float goes is a float's value
+    assert (cfg.epochs, cfg.learning_rate_scale, cfg.mixed_precision, cfg.dataset) == (None, 2, False, "files")
+
+
+def test_kt_prepares_vocabulary_flags_are_kt_trains_with_the_same_defaults():
+    from training.config import default
+    from training.prepare import build_parser
+
+    args = build_parser().parse_args(["--out", "x"])
+    for name in ("vocab_size", "vocab_type", "vocab_sample", "lowercase", "seed"):
+        assert getattr(args, name) == default(name), name
 
 
 def test_kt_trains_help_shows_the_length_penalty_flag_not_its_old_name(capsys):
     with pytest.raises(SystemExit):
-        resolve_config(["--help"])
+        resolve_settings(["--help"])
     out = capsys.readouterr().out
     assert "--length-penalty A" in out and "--alpha" not in out
     assert "--r-drop WEIGHT" in out and "--subword-sampling ALPHA" in out
@@ -111,7 +204,7 @@ def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_ru
     0.6; its old flag --alpha still sets it, with a one-line note on stderr. (`export` itself is replaced: what
     reaches it is what the SavedModel is built with; tests/test_export_savedmodel.py exports for real.)"""
     import export.export_model as export_model
-    from conftest import as_recorded_before_the_length_penalty_rename
+    from conftest import as_recorded_before_the_renames
 
     exported = []
 
@@ -124,7 +217,7 @@ def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_ru
     for folder, training in ((run, {"beam_size": 5, "length_penalty": 1.3}), (unrecorded, {})):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"training": training}))
-    old_run = as_recorded_before_the_length_penalty_rename(run, tmp_path / "old-run")
+    old_run = as_recorded_before_the_renames(run, tmp_path / "old-run")
     common = ["--export-dir", str(tmp_path / "exports"), "--skip-op-check", "--parallel-loops", "1"]
     note = "kt-export: --alpha is now --length-penalty (read as such)"
     for folder, flags, expected in [(run, [], (5, 1.3)), (old_run, [], (5, 1.3)), (unrecorded, [], (4, 0.6)),
@@ -148,7 +241,7 @@ def test_the_learning_rate_scale_reaches_the_optimizers_schedule(argv, scale):
     import keras_transformer as kt
     from training.fit import compile_model
 
-    cfg = resolve_config(["--preset", "tiny", "--warmup-steps", "200", *argv])
+    cfg = resolve_settings(["--preset", "tiny", "--warmup-steps", "200", *argv])
     model = kt.Transformer.from_preset("tiny", vocab_size=40)
     compile_model(model, cfg)
     schedule = model.optimizer.get_config()["learning_rate"]["config"]
@@ -165,7 +258,7 @@ def test_kt_trains_optimizer_has_the_configured_epsilon_and_global_clip(argv, ep
     from training.fit import build_and_compile
     from training.update import UpdateStep
 
-    cfg = resolve_config(["--preset", "tiny", *argv])
+    cfg = resolve_settings(["--preset", "tiny", *argv])
     model = build_and_compile(cfg, 40)
     config = model.optimizer.get_config()
     assert config["epsilon"] == epsilon
@@ -181,16 +274,16 @@ def test_settings_out_of_range_are_one_clear_error(tmp_path):
     from training.config import check_settings
     from training.errors import ConfigError
 
-    check_settings(resolve_config([]))
+    check_settings(resolve_settings([]))
     for argv, words in ((["--adam-epsilon", "0"], "--adam-epsilon"), (["--global-clipnorm", "-1"], "--global-clipnorm"),
                         (["--max-updates", "0"], "--max-updates"), (["--average-last", "0"], "--average-last")):
         with pytest.raises(ConfigError, match=words):
-            check_settings(resolve_config(argv))
+            check_settings(resolve_settings(argv))
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"epochs": None}))
     with pytest.raises(ConfigError, match="needs max_updates"):
-        check_settings(resolve_config(["--config", str(f)]))
-    check_settings(resolve_config(["--config", str(f), "--max-updates", "10"]))
+        check_settings(resolve_settings(["--config", str(f)]))
+    check_settings(resolve_settings(["--config", str(f), "--max-updates", "10"]))
 
 
 def test_shipped_best_recipe_is_the_anchors():
@@ -198,16 +291,16 @@ def test_shipped_best_recipe_is_the_anchors():
     anchor's dropout 0.3, but for two settings chosen on val (training/README): pre-norm, where the anchor's
     post-norm left the model underfitting on CPU at dropout 0.3, and 8,000 joint pieces, where the anchor's 10,000
     overfit."""
-    cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k-best.json")])
-    assert cfg["vocab_size"] == 8000 and not cfg["tokenizer"]  # one joint vocabulary, trained by the run
-    assert cfg["model"] == {"d_model": 128, "num_heads": 4, "d_ff": 256, "num_encoder_layers": 4,
+    cfg = resolve_settings(["--config", str(REPO / "configs" / "multi30k-best.json")])
+    assert cfg.vocab_size == 8000 and not cfg.tokenizer  # one joint vocabulary, trained by the run
+    assert cfg.model == {"d_model": 128, "num_heads": 4, "d_ff": 256, "num_encoder_layers": 4,
                             "num_decoder_layers": 4, "dropout": 0.3, "norm_first": True}
-    assert cfg["max_updates"] == 8060 and cfg["epochs"] is None and cfg["max_minutes"] is None
-    assert (cfg["adam_epsilon"], cfg["global_clipnorm"], cfg["label_smoothing"]) == (1e-8, 25.0, 0.1)
+    assert cfg.max_updates == 8060 and cfg.epochs is None and cfg.max_minutes is None
+    assert (cfg.adam_epsilon, cfg.global_clipnorm, cfg.label_smoothing) == (1e-8, 25.0, 0.1)
     # Peak learning rate 0.005 at update 2,000: scale * (d_model * warmup) ** -0.5.
-    assert cfg["warmup_steps"] == 2000
-    assert cfg["learning_rate_scale"] * (128 * 2000) ** -0.5 == pytest.approx(0.005, rel=0.01)
-    assert (cfg["average_last"], cfg["beam_size"], cfg["length_penalty"]) == (10, 5, 1.0)
+    assert cfg.warmup_steps == 2000
+    assert cfg.learning_rate_scale * (128 * 2000) ** -0.5 == pytest.approx(0.005, rel=0.01)
+    assert (cfg.average_last, cfg.beam_size, cfg.length_penalty) == (10, 5, 1.0)
 
 
 @needs_multi30k
@@ -219,8 +312,8 @@ def test_mixed_precision_training(tmp_path):
     from training.fit import train
 
     src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 300)) for lang in ("en", "de"))
-    cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(tmp_path / "run"),
-                          "--vocab-size", "500", "--tokens-per-batch", "400", "--max-length", "40", "--epochs", "1",
+    cfg = resolve_settings(["--preset", "tiny", "--train-files", str(src), str(tgt), "--model-dir", str(tmp_path / "run"),
+                          "--vocab-size", "500", "--tokens-per-batch", "400", "--max-sentence-length", "40", "--epochs", "1",
                           "--steps-per-epoch", "4", "--warmup-steps", "10", "--mixed-precision", "--no-validation",
                           "--verbose", "0"])
     summary = train(cfg)
@@ -238,19 +331,19 @@ def test_mixed_precision_training(tmp_path):
 def test_verbose_shows_logs_and_may_set_the_fit_verbosity():
     from common.native_logs import wants_logs
 
-    assert resolve_config(["--verbose"])["verbose"] == "auto" and wants_logs(["--verbose"])
-    assert resolve_config(["--verbose", "2"])["verbose"] == 2 and wants_logs(["--epochs", "1", "--verbose", "2"])
-    assert resolve_config([])["verbose"] == "auto" and not wants_logs(["--epochs", "1"])
+    assert resolve_settings(["--verbose"]).verbose == "auto" and wants_logs(["--verbose"])
+    assert resolve_settings(["--verbose", "2"]).verbose == 2 and wants_logs(["--epochs", "1", "--verbose", "2"])
+    assert resolve_settings([]).verbose == "auto" and not wants_logs(["--epochs", "1"])
 
 
 def test_shipped_multi30k_recipe_is_defined_by_work_not_wall_time():
     """22 epochs on any machine: no time budget, so a slow CPU trains the same model, only longer."""
-    cfg = resolve_config(["--config", str(REPO / "configs" / "multi30k.json")])
-    assert cfg["preset"] == "small" and cfg["mixed_precision"] == "auto"
-    assert cfg["epochs"] == 22 and cfg["max_minutes"] is None and cfg["steps_per_epoch"] is None
-    assert cfg["model"]["dropout"] == 0.2 and cfg["label_smoothing"] == 0.1
-    assert (cfg["average_last"], cfg["beam_size"], cfg["length_penalty"]) == (5, 4, 1.0)  # what `make train` always ran
-    assert cfg["adam_epsilon"] is None and cfg["global_clipnorm"] is None and cfg["max_updates"] is None
+    cfg = resolve_settings(["--config", str(REPO / "configs" / "multi30k.json")])
+    assert cfg.preset == "small" and cfg.mixed_precision == "auto"
+    assert cfg.epochs == 22 and cfg.max_minutes is None and cfg.steps_per_epoch is None
+    assert cfg.model["dropout"] == 0.2 and cfg.label_smoothing == 0.1
+    assert (cfg.average_last, cfg.beam_size, cfg.length_penalty) == (5, 4, 1.0)  # what `make train` always ran
+    assert cfg.adam_epsilon is None and cfg.global_clipnorm is None and cfg.max_updates is None
 
 
 @needs_multi30k
@@ -262,13 +355,13 @@ def test_time_budget_stops_after_a_whole_epoch(tmp_path):
               "--tokens-per-batch", "400", "--epochs", "3", "--steps-per-epoch", "2", "--warmup-steps", "10",
               "--no-validation", "--verbose", "0"]
     # A budget far shorter than one epoch: the first epoch still completes (and is checkpointed), then it stops.
-    summary = train(resolve_config(common + ["--model-dir", str(tmp_path / "short"), "--max-minutes", "1e-6"]))
+    summary = train(resolve_settings(common + ["--model-dir", str(tmp_path / "short"), "--max-minutes", "1e-6"]))
     assert summary["epochs_run"] == [1] and summary["stopped_by_time_budget"]
     assert summary["optimizer_steps"] == 2
     assert sorted(p.name for p in (tmp_path / "short" / "checkpoints").iterdir()) == ["epoch-001.weights.h5"]
     assert (tmp_path / "short" / "model.keras").exists()
     # A generous budget changes nothing.
-    summary = train(resolve_config(common + ["--model-dir", str(tmp_path / "long"), "--max-minutes", "60"]))
+    summary = train(resolve_settings(common + ["--model-dir", str(tmp_path / "long"), "--max-minutes", "60"]))
     assert summary["epochs_run"] == [1, 2, 3] and not summary["stopped_by_time_budget"]
 
 
@@ -279,7 +372,7 @@ def test_lowercase_trains_a_case_folding_vocabulary_and_config_json_says_what_th
     from training.fit import train
 
     def run(name, *flags):
-        train(resolve_config(two_batch_epochs_args(tmp_path, tmp_path / name) + ["--epochs", "1", *flags]))
+        train(resolve_settings(two_batch_epochs_args(tmp_path, tmp_path / name) + ["--epochs", "1", *flags]))
         recorded = json.loads((tmp_path / name / "config.json").read_text())["training"]["lowercase"]
         return lowercases(read_tokenizer_proto(tmp_path / name / "tokenizer.model")), recorded
 
@@ -308,7 +401,7 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
 
     run = tmp_path / "run"
     args = two_batch_epochs_args(tmp_path, run)
-    train(resolve_config(args + ["--epochs", "2"]))
+    train(resolve_settings(args + ["--epochs", "2"]))
     finished = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     # Its backup is gone, so a second run would start at epoch 1 over the first one's files; a bound it has
     # already reached has nothing to continue.
@@ -317,7 +410,7 @@ def test_training_into_a_finished_run_is_refused_and_leaves_it_whole(tmp_path):
         with pytest.raises(ConfigError, match=r"holds a finished run \(.*model.keras; it made 4 updates in 2 epochs\)\. "
                            rf"This run \({asked}\) would not go past it.*run again with --max-updates above 4 "
                            r"\(and --epochs, if set, above 2;.*--init-from"):
-            train(resolve_config(args + bound))
+            train(resolve_settings(args + bound))
         assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == finished
 
 
@@ -332,11 +425,11 @@ def test_a_finished_run_continues_from_its_last_state_to_a_larger_bound(tmp_path
     run = tmp_path / "run"
     args = two_batch_epochs_args(tmp_path, run)
     # 3 updates: epoch 1, then 1 update into epoch 2 (its checkpoint is written as the update bound stops it).
-    first = train(resolve_config(args + ["--max-updates", "3"]))
+    first = train(resolve_settings(args + ["--max-updates", "3"]))
     assert first["optimizer_steps"] == 3 and first["epochs_run"] == [1, 2]
 
     # The backup it continues from holds the finished run's weights and optimizer state, every variable of them.
-    cfg = resolve_config(args + ["--max-updates", "6"])
+    cfg = resolve_settings(args + ["--max-updates", "6"])
     continue_finished_run(cfg, run, run)
     assert "finished at update 3 (epoch 2): continuing it from epoch-002.weights.h5" in capsys.readouterr().out
     finished = keras.models.load_model(run / "model.keras", compile=True)
@@ -369,7 +462,7 @@ def test_epochs_of_one_pass_train_on_all_batches_without_a_warning(tmp_path):
 
     src, tgt = (write_lines(tmp_path / f"s.{lang}", multi30k_lines(f"train.{lang}", 200)) for lang in ("en", "de"))
     # --max-train-examples keeps kt-train on the text (a prepared corpus's epoch is a count, not a pass).
-    cfg = resolve_config(["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
+    cfg = resolve_settings(["--preset", "tiny", "--train-files", str(src), str(tgt), "--vocab-size", "400",
                           "--tokens-per-batch", "600", "--epochs", "2", "--warmup-steps", "10", "--no-validation",
                           "--verbose", "0", "--model-dir", str(tmp_path / "run"), "--max-train-examples", "200"])
     with warnings.catch_warnings(record=True) as caught:
@@ -453,10 +546,10 @@ def test_precision_flags_force_either_way(tmp_path):
     from keras_transformer.hardware import cpu_flags
     from training.precision import choose_policy
 
-    assert resolve_config([])["mixed_precision"] == "auto"
-    assert resolve_config(["--mixed-precision"])["mixed_precision"] is True
-    assert resolve_config(["--config", str(REPO / "configs" / "multi30k.json"), "--no-mixed-precision"])[
-        "mixed_precision"] is False
+    assert resolve_settings([]).mixed_precision == "auto"
+    assert resolve_settings(["--mixed-precision"]).mixed_precision is True
+    assert resolve_settings(["--config", str(REPO / "configs" / "multi30k.json"),
+                             "--no-mixed-precision"]).mixed_precision is False
     assert choose_policy(True, flags=EPYC_AVX2.split(), gpu_capabilities=[])[0] == "mixed_bfloat16"
     assert choose_policy(True, flags=EPYC_AVX2.split(), gpu_capabilities=[(7, 0)])[0] == "mixed_float16"
     assert choose_policy(False, flags=EPYC_BF16.split(), gpu_capabilities=[(8, 0)])[0] == "float32"
@@ -649,16 +742,16 @@ def test_r_drop_compiles_its_loss_records_its_weight_and_validates_with_the_plai
     from training.pipeline import make_batches
 
     with pytest.raises(ConfigError, match="--r-drop"):
-        check_settings(resolve_config(["--r-drop", "-1"]))
+        check_settings(resolve_settings(["--r-drop", "-1"]))
     model = kt.Transformer.from_preset("tiny", vocab_size=40)
-    compile_model(model, resolve_config(["--r-drop", "2.5", "--label-smoothing", "0.2"]))
+    compile_model(model, resolve_settings(["--r-drop", "2.5", "--label-smoothing", "0.2"]))
     assert type(model.loss) is kt.MaskedRDropCrossentropy
     assert (model.loss.kl_weight, model.loss.label_smoothing) == (2.5, 0.2)
 
     run = tmp_path / "run"
     val = [write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 60)) for lang in ("en", "de")]
     argv = [a for a in two_batch_epochs_args(tmp_path, run) if a != "--no-validation"]
-    cfg = resolve_config(argv + ["--epochs", "2", "--valid-files", *map(str, val), "--no-mixed-precision",
+    cfg = resolve_settings(argv + ["--epochs", "2", "--valid-files", *map(str, val), "--no-mixed-precision",
                                  "--model-arg", "dropout=0.3", "--r-drop", "5"])
     train(cfg)
     assert "R-Drop: each sentence twice in its batch" in capsys.readouterr().out
@@ -668,7 +761,7 @@ def test_r_drop_compiles_its_loss_records_its_weight_and_validates_with_the_plai
     model.compile(loss=kt.MaskedSparseCategoricalCrossentropy(label_smoothing=0.1))
     UpdateStep.install(model)  # evaluate() counts the loss as kt-train's does: the mean over the real tokens
     tokenizer = make_tokenizer(read_tokenizer_proto(run / "tokenizer.model"))
-    single = make_batches(load_text_pairs(data_spec(cfg), "validation"), tokenizer, max_length=128,
+    single = make_batches(load_text_pairs(data_spec(cfg), "validation"), tokenizer, max_sentence_length=128,
                           tokens_per_batch=400, shuffle=False)
     with ignoring_ran_out_of_data():  # bucketed batches, as in kt-train
         single_loss = model.evaluate(single, verbose=0, return_dict=True)["loss"]
@@ -693,7 +786,7 @@ def test_a_run_by_updates_checkpoints_validates_and_averages_every_n_updates(tmp
         i = args.index(flag)
         del args[i:i + (2 if flag == "--steps-per-epoch" else 1)]
     valid = [str(write_lines(tmp_path / f"v.{lang}", multi30k_lines(f"val.{lang}", 20))) for lang in ("en", "de")]
-    summary = train(resolve_config(args + ["--valid-files", *valid, "--grad-accum", "2", "--checkpoint-every", "3",
+    summary = train(resolve_settings(args + ["--valid-files", *valid, "--grad-accum", "2", "--checkpoint-every", "3",
                                            "--max-updates", "10"]))
     assert summary["optimizer_steps"] == 10 and summary["stopped_by_max_updates"]
     assert "a checkpoint and the validation every 3 updates (--checkpoint-every)" in capsys.readouterr().out
@@ -722,8 +815,8 @@ def test_a_run_by_updates_needs_its_length_in_updates():
     from training.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--max-updates N"):
-        check_settings(resolve_config(["--checkpoint-every", "100"]))
+        check_settings(resolve_settings(["--checkpoint-every", "100"]))
     with pytest.raises(ConfigError, match="drop --steps-per-epoch"):
-        check_settings(resolve_config(["--checkpoint-every", "100", "--max-updates", "1000", "--steps-per-epoch", "5"]))
+        check_settings(resolve_settings(["--checkpoint-every", "100", "--max-updates", "1000", "--steps-per-epoch", "5"]))
     with pytest.raises(ConfigError, match="--checkpoint-every"):
-        check_settings(resolve_config(["--checkpoint-every", "0", "--max-updates", "1000"]))
+        check_settings(resolve_settings(["--checkpoint-every", "0", "--max-updates", "1000"]))

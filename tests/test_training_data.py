@@ -252,7 +252,7 @@ def test_the_vocabulary_is_trained_on_a_uniform_sample_of_the_whole_corpus(tmp_p
 
     from conftest import multi30k_lines
     from keras_transformer.text import train_sentencepiece
-    from training.config import DEFAULTS
+    from training.config import TrainSettings, default
     from training.fit import get_tokenizer_proto
 
     english = multi30k_lines("train.en", 4000)
@@ -266,8 +266,8 @@ def test_the_vocabulary_is_trained_on_a_uniform_sample_of_the_whole_corpus(tmp_p
                     for lines in (english[:200], reversed_words[-200:])]
         return per_char[1] / per_char[0]
 
-    sampled, _ = get_tokenizer_proto(dict(DEFAULTS, vocab_size=400, vocab_sample=400), pairs, tmp_path, True)
-    spm.set_random_generator_seed(DEFAULTS["seed"])
+    sampled, _ = get_tokenizer_proto(TrainSettings(vocab_size=400, vocab_sample=400), pairs, tmp_path, True)
+    spm.set_random_generator_seed(default("seed"))
     first_lines = train_sentencepiece(corpus[:400], 400)
     assert 0.85 < gap(sampled) < 1.15
     assert gap(first_lines) > 1.3

@@ -35,7 +35,7 @@ def _small_corpus(tmp_path, n=600):
 def _train_cmd(model_dir, src, tgt, *extra):
     return [sys.executable, "-m", "training.train", "--preset", "tiny", "--train-files", str(src), str(tgt),
             "--source-lang", "en", "--target-lang", "de", "--model-dir", str(model_dir),
-            "--vocab-size", "500", "--tokens-per-batch", "400", "--max-length", "40",
+            "--vocab-size", "500", "--tokens-per-batch", "400", "--max-sentence-length", "40",
             "--no-validation", "--verbose", "2", *extra]
 
 

@@ -248,16 +248,16 @@ def trained_dir(tmp_path_factory):
     """A tiny model trained on a slice of Multi30k (in-process): epochs of 8 updates and no epoch limit
     ("epochs": null), stopped by --max-updates 20 in the middle of the third, with the settings of the commands
     after training recorded. What it printed is in train.log beside the run."""
-    from training.config import resolve_config
+    from training.config import resolve_settings
     from training.fit import train
 
     d = tmp_path_factory.mktemp("eval")
     src = _write(d / "train.en", _lines("train.en", 400))
     tgt = _write(d / "train.de", _lines("train.de", 400))
     (d / "config.json").write_text(json.dumps({"epochs": None}))
-    cfg = resolve_config(["--config", str(d / "config.json"), "--preset", "tiny", "--train-files", str(src),
+    cfg = resolve_settings(["--config", str(d / "config.json"), "--preset", "tiny", "--train-files", str(src),
                           str(tgt), "--model-dir", str(d / "run"), "--vocab-size", "400", "--tokens-per-batch", "500",
-                          "--max-length", "40", "--steps-per-epoch", "8", "--max-updates", "20",
+                          "--max-sentence-length", "40", "--steps-per-epoch", "8", "--max-updates", "20",
                           "--warmup-steps", "20", "--average-last", "2", "--beam-size", "3", "--length-penalty", "0.8",
                           "--no-validation", "--verbose", "2"])
     log = io.StringIO()
@@ -326,7 +326,7 @@ def test_evaluate_decodes_like_direct_decoding(trained_dir, tmp_path, capsys):
     model, _, _ = load_model_dir(trained_dir)
     sp = spm.SentencePieceProcessor(model_file=str(trained_dir / "tokenizer.model"))
     decode = tf.function(lambda ids: kt.greedy_decode(model, ids, start_id=2, end_id=3,
-                                                      max_length=tf.shape(ids)[1] + 50),
+                                                      max_output_length=tf.shape(ids)[1] + 50),
                          input_signature=[tf.TensorSpec([1, None], tf.int32)])
     for s, h in zip(sources, hyps):
         tokens, _ = decode(tf.constant([sp.encode(s) + [3]], tf.int32))
@@ -366,7 +366,7 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     import keras
 
     import keras_transformer  # noqa: F401
-    from conftest import as_recorded_before_the_length_penalty_rename
+    from conftest import as_recorded_before_the_renames
     from training.average_checkpoints import main as average
     from training.evaluate import main as evaluate
 
@@ -386,11 +386,12 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     assert evaluate(common + ["--output", str(tmp_path / "recorded.de")]) == 0
     scores = json.loads((tmp_path / "recorded.de.scores.json").read_text())
     assert (scores["beam_size"], scores["length_penalty"]) == (3, 0.8) and "alpha" not in scores
-    old_run = as_recorded_before_the_length_penalty_rename(trained_dir, tmp_path / "old-run")
+    old_run = as_recorded_before_the_renames(trained_dir, tmp_path / "old-run")
     assert evaluate(["--model-dir", str(old_run), "--model-file", str(trained_dir / "model.keras"),
                      *common[2:], "--output", str(tmp_path / "old.de")]) == 0
     old = json.loads((tmp_path / "old.de.scores.json").read_text())
     assert (old["beam_size"], old["length_penalty"]) == (3, 0.8)
+    assert old["max_source_length"] == scores["max_source_length"] == 40  # an older run's "max_length"
     assert (tmp_path / "old.de").read_text() == (tmp_path / "recorded.de").read_text()
     capsys.readouterr()
     assert evaluate(common + ["--beam-size", "1", "--length-penalty", "0.6", "--output", str(tmp_path / "flags.de")]) == 0
@@ -486,14 +487,14 @@ def test_translate_all_shows_progress_over_the_batches(capsys):
 
 
 def test_evaluate_counts_the_sources_cut_to_the_models_limit(trained_dir, tmp_path, capsys):
-    """A source with more pieces than config.json's max_length keeps (end id included) is cut before it is
+    """A source with more pieces than config.json's max_source_length keeps (end id included) is cut before it is
     translated: kt-evaluate says how many of the sources were, against the limit, and records the count; with
     no such source, no line and a count of 0."""
     import sentencepiece as spm
 
     from training.evaluate import main
 
-    limit = json.loads((trained_dir / "config.json").read_text())["max_length"]
+    limit = json.loads((trained_dir / "config.json").read_text())["max_source_length"]
     sp = spm.SentencePieceProcessor(model_file=str(trained_dir / "tokenizer.model"))
     fits = [s for s in _lines("test_2016_flickr.en", 40) if len(sp.encode(s)) + 1 <= limit][:3]
     long = " ".join(_lines("test_2016_flickr.en", 8))
@@ -505,8 +506,8 @@ def test_evaluate_counts_the_sources_cut_to_the_models_limit(trained_dir, tmp_pa
         src, out = _write(tmp_path / f"{name}.en", sources), tmp_path / f"{name}.de"
         assert main(common + ["--source-file", str(src), "--output", str(out)]) == 0
         printed = capsys.readouterr().out
-        line = (f"1 of 4 sources were longer than the model's limit of {limit} tokens (config.json max_length, "
-                f"end token included) and were cut before translation (their BLEU counts the cut translation)")
+        line = (f"1 of 4 sources were longer than the model's limit of {limit} tokens (config.json "
+                f"max_source_length, end token included) and were cut before translation (their BLEU counts the cut translation)")
         assert (line in printed.splitlines()) == bool(cut), printed
         assert ("were cut before translation" in printed) == bool(cut)
         scores = json.loads(Path(f"{out}.scores.json").read_text())

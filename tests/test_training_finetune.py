@@ -11,12 +11,12 @@ import tensorflow as tf
 from sacrebleu.metrics import BLEU
 
 import keras_transformer as kt
-from conftest import QUICK_MODEL_MAX_LENGTH, history_rows, multi30k_lines, write_lines
+from conftest import QUICK_MODEL_MAX_SENTENCE_LENGTH, history_rows, multi30k_lines, write_lines
 from common.tokenizer import decode_output, encode_source, make_tokenizer
 from common.run_dir import read_config
 from keras_transformer.text import END_ID, START_ID
 from training import average_checkpoints
-from training.config import resolve_config
+from training.config import resolve_settings
 from training.fit import compile_model, train
 from keras_transformer.keras_internals import ignoring_ran_out_of_data
 from training.pipeline import make_batches
@@ -44,11 +44,12 @@ def fine_tuned(quick_model_dir, tmp_path_factory):
         files[name] = (write_lines(tmp / f"{name}.en", [s for s, _ in chunk]),
                        write_lines(tmp / f"{name}.de", [t for _, t in chunk]))
     model_dir = tmp / "run"
-    cfg = resolve_config([
+    cfg = resolve_settings([
         "--init-from", str(quick_model_dir), "--model-dir", str(model_dir),
         "--train-files", *map(str, files["train"]), "--valid-files", *map(str, files["val"]),
         "--epochs", "3", "--steps-per-epoch", "15", "--warmup-steps", "200", "--tokens-per-batch", "1024",
-        "--max-length", str(QUICK_MODEL_MAX_LENGTH), "--no-mixed-precision", "--val-bleu", "--verbose", "0"])
+        "--max-sentence-length", str(QUICK_MODEL_MAX_SENTENCE_LENGTH), "--no-mixed-precision", "--val-bleu",
+        "--verbose", "0"])
     summary = train(cfg)
     return {"model_dir": model_dir, "summary": summary, "val_pairs": val_pairs, "cfg": cfg}
 
@@ -65,7 +66,8 @@ def test_init_from_reuses_the_vocabulary_architecture_and_weights(quick_model_di
     UpdateStep.install(init)  # evaluate() counts the loss as kt-train's does: the mean over the real tokens
     tokenizer = make_tokenizer((quick_model_dir / "tokenizer.model").read_bytes())
     val = tf.data.Dataset.from_tensor_slices(tuple(map(list, zip(*fine_tuned["val_pairs"]))))
-    batches = make_batches(val, tokenizer, max_length=QUICK_MODEL_MAX_LENGTH, tokens_per_batch=1024, shuffle=False)
+    batches = make_batches(val, tokenizer, max_sentence_length=QUICK_MODEL_MAX_SENTENCE_LENGTH, tokens_per_batch=1024,
+                           shuffle=False)
     with ignoring_ran_out_of_data():  # bucketed batches, as in kt-train
         expected = init.evaluate(batches, verbose=0, return_dict=True)["loss"]
     assert summary["initial_val_loss"] == pytest.approx(expected, rel=1e-5)
@@ -88,7 +90,7 @@ def test_val_bleu_is_the_greedy_bleu_of_that_epoch(fine_tuned):
     model.load_weights(model_dir / "checkpoints" / "epoch-003.weights.h5")
     tokenizer = make_tokenizer((model_dir / "tokenizer.model").read_bytes())
     sources = [s for s, _ in fine_tuned["val_pairs"]]
-    ids = encode_source(tokenizer, tf.constant(sources), QUICK_MODEL_MAX_LENGTH).to_tensor()
+    ids = encode_source(tokenizer, tf.constant(sources), QUICK_MODEL_MAX_SENTENCE_LENGTH).to_tensor()
     tokens, _ = kt.greedy_decode(model, ids, START_ID, END_ID)
     hypotheses = [t.decode() for t in decode_output(tokenizer, tokens).numpy().tolist()]
     expected = BLEU().corpus_score(hypotheses, [[t for _, t in fine_tuned["val_pairs"]]]).score
@@ -149,7 +151,7 @@ def test_init_from_errors_name_the_problem(quick_model_dir, tmp_path, capsys):
     src = write_lines(tmp_path / "a.en", ["a dog runs ."] * 3)
     tgt = write_lines(tmp_path / "a.de", ["ein Hund rennt ."] * 3)
     base = ["--model-dir", str(tmp_path / "run"), "--train-files", str(src), str(tgt), "--epochs", "1",
-            "--max-length", str(QUICK_MODEL_MAX_LENGTH)]
+            "--max-sentence-length", str(QUICK_MODEL_MAX_SENTENCE_LENGTH)]
     assert main(base + ["--init-from", str(tmp_path / "nowhere")]) == 2
     assert "--init-from" in capsys.readouterr().err
     assert main(base + ["--init-from", str(quick_model_dir), "--tokenizer", str(quick_model_dir / "tokenizer.model")]) == 2

@@ -125,10 +125,10 @@ def test_subword_sampling_varies_the_pieces_not_the_text(proto, corpus):
     pairs = tf.data.Dataset.from_tensor_slices((src_text, tgt_text))
     best = {sp.decode(sp.encode(t)): (sp.encode(s), sp.encode(t)) for s, t in zip(src_text, tgt_text)}
 
-    plain = make_batches(pairs, make_tokenizer(proto), max_length=128, tokens_per_batch=2000, shuffle=False)
+    plain = make_batches(pairs, make_tokenizer(proto), max_sentence_length=128, tokens_per_batch=2000, shuffle=False)
     assert _epoch_of_pieces(plain, sp) == _epoch_of_pieces(plain, sp) == best
 
-    sampled = make_batches(pairs, make_tokenizer(proto, sampling_alpha=0.2), max_length=128,
+    sampled = make_batches(pairs, make_tokenizer(proto, sampling_alpha=0.2), max_sentence_length=128,
                            tokens_per_batch=4000, shuffle=False)
     first, second = _epoch_of_pieces(sampled, sp), _epoch_of_pieces(sampled, sp)
     assert first.keys() == second.keys() == best.keys()
@@ -149,7 +149,7 @@ def test_batches_budget_padding_and_ids(proto, corpus, replicas):
     src_text, tgt_text = corpus[0][:1500], corpus[1][:1500]
     budget, max_len = 600, 40
     pairs = tf.data.Dataset.from_tensor_slices((src_text, tgt_text))
-    ds = make_batches(pairs, tok, max_length=max_len, tokens_per_batch=budget, num_replicas=replicas,
+    ds = make_batches(pairs, tok, max_sentence_length=max_len, tokens_per_batch=budget, num_replicas=replicas,
                       shuffle=True, seed=7)
     sp = spm.SentencePieceProcessor(model_proto=proto)
     expected = collections.Counter(
@@ -186,21 +186,21 @@ def test_batches_budget_padding_and_ids(proto, corpus, replicas):
         assert sum(expected.values()) - sum(got.values()) <= len(bucket_boundaries(max_len)) + 1
 
 
-@pytest.mark.parametrize("max_length", [6, 8, 40])
-def test_padded_to_bucket_boundaries_for_xla_at_any_max_length(proto, corpus, max_length):
+@pytest.mark.parametrize("max_sentence_length", [6, 8, 40])
+def test_padded_to_bucket_boundaries_for_xla_at_any_max_length(proto, corpus, max_sentence_length):
     """--jit-compile pads every batch to its bucket's boundary; below 8 tokens there is no bucket boundary
-    at all, which once raised IndexError. Every pair that fits max_length is kept, in few shapes."""
+    at all, which once raised IndexError. Every pair that fits max_sentence_length is kept, in few shapes."""
     tok, sp = make_tokenizer(proto), spm.SentencePieceProcessor(model_proto=proto)
     # The first one to four words of real sentences: pairs of every length around the limit.
     sources, targets = ([" ".join(line.split()[: 1 + i % 4]) for i, line in enumerate(side[:400])] for side in corpus)
     pairs = tf.data.Dataset.from_tensor_slices((sources, targets))
-    batches = list(make_batches(pairs, tok, max_length=max_length, tokens_per_batch=8 * max_length, shuffle=False,
+    batches = list(make_batches(pairs, tok, max_sentence_length=max_sentence_length, tokens_per_batch=8 * max_sentence_length, shuffle=False,
                                 pad_to_bucket_boundary=True).as_numpy_iterator())
-    fitting = sum(len(sp.encode(s)) + 1 <= max_length and len(sp.encode(t)) + 1 <= max_length
+    fitting = sum(len(sp.encode(s)) + 1 <= max_sentence_length and len(sp.encode(t)) + 1 <= max_sentence_length
                   for s, t in zip(sources, targets))
     assert fitting > 0 and sum(len(target_out) for _, target_out in batches) == fitting
     widths = {source.shape[1] for (source, _), _ in batches}
-    assert max(widths) <= max_length and len(widths) <= len(bucket_boundaries(max_length)) + 1
+    assert max(widths) <= max_sentence_length and len(widths) <= len(bucket_boundaries(max_sentence_length)) + 1
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -209,7 +209,7 @@ def test_r_drop_batches_hold_each_pair_twice_in_a_row(proto, corpus, replicas):
     row repeated in place (rows 2i and 2i + 1), so that MaskedRDropCrossentropy pairs the same sentence."""
     tok = make_tokenizer(proto)
     pairs = tf.data.Dataset.from_tensor_slices((corpus[0][:600], corpus[1][:600]))
-    common = dict(max_length=40, tokens_per_batch=600, num_replicas=replicas, shuffle=False)
+    common = dict(max_sentence_length=40, tokens_per_batch=600, num_replicas=replicas, shuffle=False)
     single = list(make_batches(pairs, tok, **common).as_numpy_iterator())
     double = list(make_batches(pairs, tok, copies=2, **common).as_numpy_iterator())
     assert len(double) == len(single) > 3

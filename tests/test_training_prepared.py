@@ -8,6 +8,7 @@ read only their own shards and take the same updates per epoch.
 """
 
 import collections
+import dataclasses
 import gzip
 import itertools
 import json
@@ -82,7 +83,7 @@ def test_an_epoch_holds_every_pair_once_as_the_in_graph_tokenizer_encodes_it(pre
     pieces = [tokenizer.tokenize(tf.constant(lines)).to_list() for lines in (src, tgt)]
     expected = collections.Counter((tuple(s) + (END_ID,), (START_ID,) + tuple(t), tuple(t) + (END_ID,))
                                    for s, t in zip(*pieces))
-    epoch = stream_batches(corpus, list(range(len(corpus.shards))), max_length=512, tokens_per_replica=2000,
+    epoch = stream_batches(corpus, list(range(len(corpus.shards))), max_sentence_length=512, tokens_per_replica=2000,
                            seed=1, epochs=1)
     assert collections.Counter(_rows(epoch)) == expected
     assert corpus.pairs == 2 * PAIRS and corpus.manifest["corpora"][0]["pairs"] == 2 * PAIRS
@@ -92,25 +93,27 @@ def test_an_epoch_holds_every_pair_once_as_the_in_graph_tokenizer_encodes_it(pre
 def test_batches_keep_the_budget_and_leave_out_long_pairs(prepared, pad_to_bucket_boundary):
     directory = prepared[0]
     corpus = open_prepared(directory)
-    max_length, budget = 24, 300
+    max_sentence_length, budget = 24, 300
     shards = list(range(len(corpus.shards)))
     kept = 0
     widths = set()
-    for (s, ti), to in stream_batches(corpus, shards, max_length=max_length, tokens_per_replica=budget, seed=3,
+    for (s, ti), to in stream_batches(corpus, shards, max_sentence_length=max_sentence_length,
+                                      tokens_per_replica=budget, seed=3,
                                       epochs=1, pad_to_bucket_boundary=pad_to_bucket_boundary):
         assert s.dtype == ti.dtype == to.dtype == np.int32
         for a in (s, ti, to):
-            assert a.shape[0] * a.shape[1] <= budget and a.shape[1] <= max_length
+            assert a.shape[0] * a.shape[1] <= budget and a.shape[1] <= max_sentence_length
         assert ti.shape == to.shape and (ti[:, 0] == START_ID).all()
         assert ((s == END_ID).sum(axis=1) >= 1).all() and ((to == END_ID).sum(axis=1) >= 1).all()
         widths.update((s.shape[1], to.shape[1]))
         kept += len(s)
     lengths = [np.concatenate([corpus.load_shard(i)[f"{side}_lengths"] for i in shards]) for side in ("source", "target")]
-    assert kept == int((np.maximum(*lengths) + 1 <= max_length).sum()) < corpus.pairs
+    assert kept == int((np.maximum(*lengths) + 1 <= max_sentence_length).sum()) < corpus.pairs
     if pad_to_bucket_boundary:
-        assert widths <= {b - 1 for b in bucket_boundaries(max_length)} | {max_length}
+        assert widths <= {b - 1 for b in bucket_boundaries(max_sentence_length)} | {max_sentence_length}
     # R-Drop: every pair twice in a row, the budget counting it once.
-    (s, ti), to = next(stream_batches(corpus, shards, max_length=max_length, tokens_per_replica=budget, seed=3,
+    (s, ti), to = next(stream_batches(corpus, shards, max_sentence_length=max_sentence_length,
+                                      tokens_per_replica=budget, seed=3,
                                       copies=2))
     assert (s[0::2] == s[1::2]).all() and (to[0::2] == to[1::2]).all() and len(s) // 2 * s.shape[1] <= budget
 
@@ -118,11 +121,11 @@ def test_batches_keep_the_budget_and_leave_out_long_pairs(prepared, pad_to_bucke
 def test_steps_per_epoch_is_a_pass_over_the_corpus(prepared):
     corpus = open_prepared(prepared[0])
     shards = list(range(len(corpus.shards)))
-    batches = sum(1 for _ in stream_batches(corpus, shards, max_length=64, tokens_per_replica=500, seed=0,
+    batches = sum(1 for _ in stream_batches(corpus, shards, max_sentence_length=64, tokens_per_replica=500, seed=0,
                                             epochs=1))
     # One pool holds this corpus: its batches are the histogram's, exactly.
-    assert steps_per_epoch(corpus, max_length=64, tokens_per_replica=500, replicas=1) == batches
-    assert steps_per_epoch(corpus, max_length=64, tokens_per_replica=500, replicas=2) == batches // 2
+    assert steps_per_epoch(corpus, max_sentence_length=64, tokens_per_replica=500, replicas=1) == batches
+    assert steps_per_epoch(corpus, max_sentence_length=64, tokens_per_replica=500, replicas=2) == batches // 2
 
 
 def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
@@ -131,7 +134,7 @@ def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
     tokenizer = make_tokenizer(corpus.tokenizer_file.read_bytes())
     second = {tuple(ids) + (END_ID,) for ids in tokenizer.tokenize(tf.constant(src[PAIRS:])).to_list()}
     first = {tuple(ids) + (END_ID,) for ids in tokenizer.tokenize(tf.constant(src[:PAIRS])).to_list()}
-    stream = stream_batches(corpus, list(range(len(corpus.shards))), max_length=128, tokens_per_replica=400,
+    stream = stream_batches(corpus, list(range(len(corpus.shards))), max_sentence_length=128, tokens_per_replica=400,
                             seed=7, pool_pairs=1000, epochs=3)
     batches = list(stream)
     per_epoch = len(batches) // 3
@@ -144,7 +147,7 @@ def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
         orders.append([r[0] for r in _rows(epoch[:5])])
     assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
     # A run resumed at update 40 starts on an order of its own, not on the first epoch's again.
-    resumed = stream_batches(corpus, list(range(len(corpus.shards))), max_length=128, tokens_per_replica=400,
+    resumed = stream_batches(corpus, list(range(len(corpus.shards))), max_sentence_length=128, tokens_per_replica=400,
                              seed=7, start=40, pool_pairs=1000, epochs=1)
     assert [r[0] for r in _rows(itertools.islice(resumed, 5))] not in orders
 
@@ -304,14 +307,14 @@ def test_two_workers_read_their_own_shards_and_take_the_same_updates(prepared, t
         dirs.append(d)
     model_dir = tmp_path / "mw"
     cmds = [[sys.executable, "-m", "training.train", "--prepared", str(d), "--preset", "tiny", "--model-dir",
-             str(model_dir), "--tokens-per-replica", "600", "--max-length", "40", "--epochs", "2",
+             str(model_dir), "--tokens-per-replica", "600", "--max-sentence-length", "40", "--epochs", "2",
              "--no-validation", "--verbose", "2"] for d in dirs]
     procs = start_workers(cmds, [tmp_path / f"worker{i}.log" for i in range(2)])
     wait_all(procs, 600)
     outs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    steps = steps_per_epoch(corpus, max_length=40, tokens_per_replica=600, replicas=2)
+    steps = steps_per_epoch(corpus, max_sentence_length=40, tokens_per_replica=600, replicas=2)
     summaries = [json.loads(out.split("[kt-train] done ")[1].splitlines()[0]) for out in outs]
     for i, (out, summary) in enumerate(zip(outs, summaries)):
         assert f"worker {i + 1}/2 reads 3); an epoch is {steps:,} updates" in out
@@ -349,7 +352,7 @@ def test_a_tfds_corpus_is_prepared_and_trained_on_with_its_validation_split(tmp_
     records."""
     import tensorflow_datasets as tfds
 
-    from training.config import resolve_config
+    from training.config import resolve_settings
     from training.evaluate import main as evaluate
     from training.fit import train
 
@@ -361,7 +364,7 @@ def test_a_tfds_corpus_is_prepared_and_trained_on_with_its_validation_split(tmp_
         assert manifest["corpora"] == [{"name": "wmt14_translate/de-en (train)", "lines": 120, "pairs": 120,
                                         "empty_pairs_skipped": 0}]
         assert manifest["validation"]["tfds"] == "wmt14_translate/de-en"
-        summary = train(resolve_config(["--prepared", str(out), "--preset", "tiny", "--model-dir",
+        summary = train(resolve_settings(["--prepared", str(out), "--preset", "tiny", "--model-dir",
                                         str(tmp_path / "m"), "--max-updates", "2", "--epochs", "1",
                                         "--tokens-per-batch", "600", "--verbose", "0"]))
         # kt-evaluate finds the test split of the corpus the model was prepared from.
@@ -376,7 +379,7 @@ def test_kt_train_prepares_train_files_into_its_run_first_and_reuses_them_on_res
     """`kt-train --train-files` trains as `kt-prepare` then `kt-train --prepared` would: the corpus is prepared
     into MODEL_DIR/prepared (the vocabulary trained there, with kt-train's settings) and streamed from it; run
     again to go further, the preparation is reused, not redone."""
-    from training.config import resolve_config
+    from training.config import resolve_settings
     from training.fit import train
 
     src = write_lines(tmp_path / "t.en", multi30k_lines("train.en", 300))
@@ -385,7 +388,7 @@ def test_kt_train_prepares_train_files_into_its_run_first_and_reuses_them_on_res
     model_dir = tmp_path / "m"
     args = ["--train-files", str(src), str(tgt), "--valid-files", *val, "--preset", "tiny", "--model-dir",
             str(model_dir), "--vocab-size", "400", "--tokens-per-batch", "600", "--verbose", "0"]
-    first = train(resolve_config(args + ["--max-updates", "2", "--epochs", "1"]))
+    first = train(resolve_settings(args + ["--max-updates", "2", "--epochs", "1"]))
     out = capsys.readouterr().out
     corpus = open_prepared(model_dir / "prepared")
     assert corpus.pairs == 300 and corpus.manifest["vocabulary"]["pieces"] == 400
@@ -395,7 +398,7 @@ def test_kt_train_prepares_train_files_into_its_run_first_and_reuses_them_on_res
     assert json.loads((model_dir / "config.json").read_text())["training"]["prepared"] == str(model_dir / "prepared")
     assert first["optimizer_steps"] == 2
     manifest_before = (model_dir / "prepared" / MANIFEST_FILENAME).read_bytes()
-    again = train(resolve_config(args + ["--max-updates", "3", "--epochs", "2"]))
+    again = train(resolve_settings(args + ["--max-updates", "3", "--epochs", "2"]))
     assert "is prepared already" in capsys.readouterr().out
     assert (model_dir / "prepared" / MANIFEST_FILENAME).read_bytes() == manifest_before
     assert again["optimizer_steps"] == 3 and "val_loss" in (model_dir / "history.csv").read_text()
@@ -407,12 +410,12 @@ def test_kt_train_prepares_a_tfds_corpus_and_reads_text_only_where_it_must(tmp_p
     text every epoch) and --max-train-examples read text, and say so."""
     import tensorflow_datasets as tfds
 
-    from training.config import resolve_config
+    from training.config import resolve_settings
     from training.fit import text_reason, train
 
     model_dir = tmp_path / "wmt"
     with tfds.testing.mock_data(num_examples=120):
-        summary = train(resolve_config(["--dataset", "wmt14_translate/de-en", "--preset", "tiny", "--model-dir",
+        summary = train(resolve_settings(["--dataset", "wmt14_translate/de-en", "--preset", "tiny", "--model-dir",
                                         str(model_dir), "--vocab-size", "1000", "--max-updates", "1", "--epochs",
                                         "1", "--tokens-per-batch", "600", "--verbose", "0"]))
     assert summary["optimizer_steps"] == 1
@@ -420,15 +423,15 @@ def test_kt_train_prepares_a_tfds_corpus_and_reads_text_only_where_it_must(tmp_p
     assert [c["name"] for c in manifest["corpora"]] == ["wmt14_translate/de-en (train)"]
     assert manifest["validation"]["tfds"] == "wmt14_translate/de-en"
     assert json.loads((model_dir / "config.json").read_text())["training"]["dataset"] == "wmt14_translate/de-en"
-    files = resolve_config(["--train-files", "a.en", "a.de"])
+    files = resolve_settings(["--train-files", "a.en", "a.de"])
     assert text_reason(files) is None
-    assert text_reason(resolve_config([])) == "Multi30k"
-    assert text_reason({**files, "subword_sampling": 0.1}) == "--subword-sampling"
-    assert text_reason({**files, "max_train_examples": 100}) == "--max-train-examples"
+    assert text_reason(resolve_settings([])) == "Multi30k"
+    assert text_reason(dataclasses.replace(files, subword_sampling=0.1)) == "--subword-sampling"
+    assert text_reason(dataclasses.replace(files, max_train_examples=100)) == "--max-train-examples"
     src = write_lines(tmp_path / "s.en", multi30k_lines("train.en", 200))
     tgt = write_lines(tmp_path / "s.de", multi30k_lines("train.de", 200))
     capsys.readouterr()
-    train(resolve_config(["--train-files", str(src), str(tgt), "--subword-sampling", "0.1", "--preset", "tiny",
+    train(resolve_settings(["--train-files", str(src), str(tgt), "--subword-sampling", "0.1", "--preset", "tiny",
                           "--model-dir", str(tmp_path / "sampled"), "--vocab-size", "400", "--max-updates", "1",
                           "--epochs", "1", "--no-validation", "--tokens-per-batch", "600", "--verbose", "0"]))
     assert "tokenized every epoch (--subword-sampling" in capsys.readouterr().out
@@ -473,7 +476,7 @@ def test_kt_prepare_trains_a_byte_pair_vocabulary_on_request(tmp_path):
     a config file's unknown type is refused by name."""
     from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
-    from training.config import check_settings, resolve_config
+    from training.config import check_settings, resolve_settings
     from training.errors import ConfigError
     from training.prepare import parse_args, prepare
 
@@ -491,4 +494,4 @@ def test_kt_prepare_trains_a_byte_pair_vocabulary_on_request(tmp_path):
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"vocab_type": "wordpiece"}))
     with pytest.raises(ConfigError, match="vocab_type .* must be one of unigram, bpe, got 'wordpiece'"):
-        check_settings(resolve_config(["--config", str(config)]))
+        check_settings(resolve_settings(["--config", str(config)]))

@@ -134,7 +134,7 @@ def test_backups_and_the_update_budget_count_updates_at_an_updates_boundary(tmp_
     import tensorflow as tf
 
     from training.callbacks import ResumableBackup, UpdateBudget, accumulated_batches
-    from training.config import DEFAULTS
+    from training.config import TrainSettings
     from training.fit import build_and_compile
 
     rng = np.random.default_rng(0)
@@ -151,7 +151,7 @@ def test_backups_and_the_update_budget_count_updates_at_an_updates_boundary(tmp_
 
     def model():
         keras.utils.set_random_seed(0)
-        return build_and_compile(dict(DEFAULTS, preset="tiny", warmup_steps=10, grad_accum=3), 40)
+        return build_and_compile(TrainSettings(preset="tiny", warmup_steps=10, grad_accum=3), 40)
 
     trained = model()
     trained.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[Recorded(tmp_path / "backup", save_freq=2)])
@@ -170,12 +170,12 @@ def test_the_learning_rate_follows_the_updates():
     import keras
     import tensorflow as tf
 
-    from training.config import DEFAULTS
+    from training.config import TrainSettings
     from training.fit import build_and_compile
 
     rows = np.random.default_rng(1).integers(4, 40, size=(12, 6)).astype("int32")
     keras.utils.set_random_seed(0)
-    model = build_and_compile(dict(DEFAULTS, preset="tiny", warmup_steps=10, grad_accum=4), 40)
+    model = build_and_compile(TrainSettings(preset="tiny", warmup_steps=10, grad_accum=4), 40)
     model.fit(tf.data.Dataset.from_tensor_slices(((rows, rows), rows)).batch(2), epochs=1, verbose=0, shuffle=False)
     assert int(model.optimizer.iterations.numpy()) == 1  # 6 batches: one update of 4, 2 batches pending
     schedule = model.optimizer.learning_rate  # evaluated at the optimizer's step
@@ -194,17 +194,17 @@ def test_the_learning_rate_follows_the_updates():
     ({"tokens_per_batch": 8000, "tokens_per_replica": 3000, "grad_accum": 2}, 2, (3000, 2, 2, 12000)),
 ])
 def test_the_batch_plan(settings, replicas, plan):
-    from training.config import DEFAULTS, batch_plan
+    from training.config import TrainSettings, batch_plan
 
-    got = batch_plan({**DEFAULTS, **settings}, replicas)
+    got = batch_plan(TrainSettings(**settings), replicas)
     assert (got["tokens_per_replica"], got["replicas"], got["grad_accum"], got["tokens_per_update"]) == plan
 
 
 def test_a_run_resumed_on_other_devices_keeps_its_tokens_per_update_or_says_how():
-    from training.config import DEFAULTS, batch_plan
+    from training.config import TrainSettings, batch_plan
     from training.errors import ConfigError
 
-    cfg = {**DEFAULTS, "tokens_per_replica": 3000, "grad_accum": 2}
+    cfg = TrainSettings(tokens_per_replica=3000, grad_accum=2)
     on_four = batch_plan(cfg, 4)
     assert on_four["tokens_per_update"] == 24000
     assert batch_plan(cfg, 8, on_four)["grad_accum"] == 1  # 8 x 1 x 3000
@@ -214,7 +214,7 @@ def test_a_run_resumed_on_other_devices_keeps_its_tokens_per_update_or_says_how(
                                           r"tokens per update; on 3 replicas.*--tokens-per-replica T --grad-accum N"):
         batch_plan(cfg, 3, on_four)
     # A global budget keeps the update's size by itself: the accumulation stays.
-    glob = {**DEFAULTS, "tokens_per_batch": 24000, "grad_accum": 2}
+    glob = TrainSettings(tokens_per_batch=24000, grad_accum=2)
     assert batch_plan(glob, 2, batch_plan(glob, 4)) == batch_plan(glob, 2)
 
 

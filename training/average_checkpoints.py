@@ -31,11 +31,8 @@ quiet_import_for_commands(__name__)
 import numpy as np  # noqa: E402
 
 import keras_transformer  # noqa: E402  (also registers the serializable classes model.keras needs)
-from common.run_dir import (CHECKPOINT_DIR, epoch_checkpoints, load_or_build_model, read_config_or_exit,  # noqa: E402
-                            recorded_setting, update_checkpoints)
-
-# The paper averaged the last 5 checkpoints of its base models.
-DEFAULT_LAST = 5
+from common.run_dir import (CHECKPOINT_DIR, DEFAULT_AVERAGE_LAST, epoch_checkpoints, load_or_build_model,  # noqa: E402
+                            read_config_or_exit, recorded_setting, update_checkpoints)
 def list_checkpoints(model_dir) -> list[Path]:
     """A run by updates' checkpoints in update order, else the epoch checkpoints in epoch order."""
     return [path for _, path in update_checkpoints(model_dir) or epoch_checkpoints(model_dir)]
@@ -92,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", required=True)
     choice = p.add_mutually_exclusive_group()
     choice.add_argument("--last", type=int, help="average the last N checkpoints (default: the N that "
-                        f"kt-train --average-last recorded in config.json, else {DEFAULT_LAST})")
+                        f"kt-train --average-last recorded in config.json, else {DEFAULT_AVERAGE_LAST})")
     choice.add_argument("--best", type=int, metavar="N",
                         help="average the N epoch checkpoints with the best validation score instead (see --by)")
     p.add_argument("--by", choices=sorted(SCORES), default="val_loss",
@@ -103,7 +100,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfg = read_config_or_exit(args.model_dir, "kt-average-checkpoints")
-    args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_LAST)
+    args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_AVERAGE_LAST)
     checkpoints = list_checkpoints(args.model_dir)
     if not checkpoints:
         print(f"kt-average-checkpoints: error: no checkpoints in {Path(args.model_dir) / CHECKPOINT_DIR}",

@@ -328,17 +328,17 @@ class ValidationBLEU(keras.callbacks.Callback):
     Args:
         sources, references: the validation pairs, as strings.
         tokenizer: `common.tokenizer.make_tokenizer`'s tokenizer.
-        max_length: most source tokens (end id included), as in training.
+        max_source_length: most source tokens (end id included), as in training.
         batch_size: sentences decoded at once (sorted by length, so batches pad little).
         lowercase: score case-insensitively (sacreBLEU's `lowercase`), for a case-folding vocabulary,
             whose model writes lowercase text.
     """
 
-    def __init__(self, sources, references, tokenizer, max_length: int, batch_size: int = 64,
+    def __init__(self, sources, references, tokenizer, max_source_length: int, batch_size: int = 64,
                  lowercase: bool = False):
         super().__init__()
         self.sources, self.references = list(sources), list(references)
-        self.tokenizer, self.max_length, self.batch_size = tokenizer, max_length, batch_size
+        self.tokenizer, self.max_source_length, self.batch_size = tokenizer, max_source_length, batch_size
         self.lowercase = lowercase
         self._decode = None
 
@@ -354,7 +354,8 @@ class ValidationBLEU(keras.callbacks.Callback):
         return translate_lines(self._translate_batch, self.sources, self.batch_size).texts
 
     def _translate_batch(self, sources):
-        tokens, scores = self._decode(encode_source(self.tokenizer, tf.constant(sources), self.max_length).to_tensor())
+        source = encode_source(self.tokenizer, tf.constant(sources), self.max_source_length)
+        tokens, scores = self._decode(source.to_tensor())
         texts = decode_output(self.tokenizer, tokens).numpy().tolist()
         return [text.decode("utf-8", errors="replace") for text in texts], scores.numpy().tolist()
 

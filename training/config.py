@@ -1,77 +1,265 @@
-"""Training settings: their defaults, the kt-train flags that set them, and the config.json a run writes.
+"""Training settings: one dataclass, `TrainSettings`, holding each setting's type, default, flag and help; the
+kt-train flags, the `config.json` record and the settings table of training/README.md come from it.
 
-A setting comes from, in increasing priority: `DEFAULTS`, a JSON file given
-with `--config` (any key of `DEFAULTS`, plus "model": {Transformer
-arguments}), and the command-line flags.
+A setting comes from, in increasing priority: its default, a JSON file given with `--config` (any
+`TrainSettings` field by name, "model" being {Transformer arguments}), and the command-line flags.
+
+    settings = resolve_settings(["--config", "configs/multi30k.json", "--epochs", "5"])
+    settings.epochs              # 5
+    settings.to_dict()           # what config.json records under "training"
+    print(settings_table())      # the Markdown table of every setting
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 
-from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, MODEL_FILENAME, RENAMED_SETTINGS, TOKENIZER_FILENAME,
+from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, DEFAULT_AVERAGE_LAST, DEFAULT_BEAM_SIZE,
+                            DEFAULT_LENGTH_PENALTY, MODEL_FILENAME, RENAMED_SETTINGS, TOKENIZER_FILENAME,
                             add_renamed_flags, take_renamed_flags)
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
 from training.errors import ConfigError
 
+# kt-train's argument groups, in --help's and the table's order.
+GROUPS = ("model", "data", "tokenizer and batches", "training",
+          "after training (recorded in config.json for the commands that follow kt-train)", "output")
 
-# Training settings and their defaults (a JSON config file may set any of these,
-# plus "model": {Transformer constructor overrides}).
-DEFAULTS = {
-    "preset": "small",
-    "model": {},
-    "dataset": "multi30k",
-    "data_dir": None,
-    "tfds_data_dir": None,
-    "train_files": None,
-    "valid_files": None,
-    "prepared": None,
-    "check_alignment": True,
-    "source_lang": "en",
-    "target_lang": "de",
-    "model_dir": "runs/model",
-    "tokenizer": None,
-    "init_from": None,
-    "vocab_size": 8000,
-    "vocab_type": VOCAB_TYPES[0],
-    "vocab_sample": 2_000_000,
-    "lowercase": False,
-    "tokens_per_batch": 4096,
-    "tokens_per_replica": None,
-    "max_length": 128,
-    "subword_sampling": None,
-    "warmup_steps": 4000,
-    "learning_rate_scale": 1.0,
-    "label_smoothing": 0.1,
-    "r_drop": None,
-    "adam_epsilon": None,
-    "global_clipnorm": None,
-    "epochs": 10,
-    "max_updates": None,
-    "checkpoint_every": None,
-    "max_minutes": None,
-    "steps_per_epoch": None,
-    "validation": True,
-    "val_bleu": False,
-    "max_train_examples": None,
-    "max_eval_examples": None,
-    "mixed_precision": "auto",
-    "jit_compile": False,
-    "grad_accum": 1,
-    "cpu_replicas": 1,
-    "seed": 1234,
-    "backup_every": None,
-    "shuffle_buffer": 20000,
-    "verbose": "auto",
-    # Not read by kt-train: recorded in config.json for the commands that follow it (`make train`).
-    "average_last": None,
-    "beam_size": None,
-    "length_penalty": None,
-}
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """A command-line flag of a setting: `name`, and argparse's `add_argument` keywords but dest and help."""
+    name: str
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    help: str | None = None  # the setting's help by default
+
+
+def setting(default, help: str, group: str, *, flags=None, shown: str | None = None, **flag_kwargs):
+    """A `TrainSettings` field: its `default` (a dict default is copied for each instance), its `help` (one or
+    two sentences, without the default), its argparse `group`, and its flags: by default one, `--NAME-WITH-DASHES`
+    with `flag_kwargs`; `flags=()` for a setting only a --config file sets. `shown`: the default as --help and the
+    table say it where the value alone would not ("off", "one pass")."""
+    assert group in GROUPS, group
+    metadata = {"help": help, "group": group, "flags": flags, "flag_kwargs": flag_kwargs, "shown": shown}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _verbosity(value):
+    return value if value == "auto" else int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Every kt-train setting, with its default. Frozen: `dataclasses.replace` makes a changed copy. The runtime
+    objects a run builds from these (the model it starts from, the strategy, the datasets) are not settings."""
+
+    preset: str = setting("small", "model size: tiny | small | base | big (`keras_transformer.PRESETS`)", "model")
+    model: dict = setting(
+        {}, "Transformer arguments over the preset's, e.g. {\"dropout\": 0.3, \"norm_first\": true}; "
+        "attention_dropout and activation_dropout (0 by default, not in the paper) drop the attention weights "
+        "and the feed-forward's inner activations", "model", shown="the preset's",
+        flags=(Flag("--model-arg", dict(action="append", metavar="KEY=VALUE", dest="model_args"),
+                    "override a Transformer argument, e.g. --model-arg dropout=0.3 (repeatable)"),
+               Flag("--dropout", dict(type=float, metavar="X"), "shortcut for --model-arg dropout=X")))
+
+    dataset: str = setting(
+        "multi30k", "multi30k (read as text) | files | a TFDS name, e.g. ted_hrlr_translate/pt_to_en (prepared "
+        "into MODEL_DIR/prepared first, as --train-files)", "data")
+    data_dir: str | None = setting(
+        None, "raw Multi30k directory", "data", shown="$KT_MULTI30K_DIR, else ../shared/data/multi30k, else download")
+    tfds_data_dir: str | None = setting(None, "where TFDS stores prepared datasets", "data",
+                                        shown="$KT_TFDS_DIR or ~/tensorflow_datasets")
+    train_files: list | None = setting(
+        None, "parallel text files, plain or gzip (sets dataset to files); prepared into MODEL_DIR/prepared first, "
+        "as kt-prepare does, unless --subword-sampling or --max-train-examples keeps them text", "data",
+        nargs=2, metavar=("SOURCE", "TARGET"))
+    valid_files: list | None = setting(None, "validation text files for --dataset files", "data",
+                                       nargs=2, metavar=("SOURCE", "TARGET"))
+    prepared: str | None = setting(
+        None, "train on a corpus kt-prepare prepared (its shards, its vocabulary, its validation set unless "
+        "--valid-files), streamed, each worker its own shards", "data", metavar="DIR")
+    check_alignment: bool = setting(
+        True, "check that --train-files/--valid-files' lines are pairs: the flag trains on them even where "
+        "their pairs look shifted by a line", "data", shown="check",
+        flags=(Flag("--no-alignment-check", dict(action="store_false")),))
+    source_lang: str = setting("en", "the source language: its files' suffix, its side of a TFDS dataset", "data")
+    target_lang: str = setting("de", "the target language", "data")
+    max_train_examples: int | None = setting(None, "use only the first N training pairs (quick runs)", "data",
+                                             type=int, metavar="N", shown="all")
+    max_eval_examples: int | None = setting(None, "use only the first N validation pairs", "data", type=int,
+                                            metavar="N", shown="all")
+    validation: bool = setting(True, "compute the validation loss every epoch (the flag skips it)", "data",
+                               flags=(Flag("--no-validation", dict(action="store_false")),))
+    val_bleu: bool = setting(
+        False, "after every epoch, also greedy-decode the validation set and record its sacreBLEU (val_bleu in "
+        "history.csv and TensorBoard), e.g. for kt-average-checkpoints --best N --by val_bleu", "data",
+        action="store_true")
+
+    tokenizer: str | None = setting(None, "an existing sentencepiece .model to use instead of training one",
+                                    "tokenizer and batches", shown="trained by the run")
+    vocab_size: int = setting(8000, "joint subword vocabulary size", "tokenizer and batches", type=int)
+    vocab_type: str = setting(VOCAB_TYPES[0], "the vocabulary's sentencepiece model: unigram or bpe (byte-pair "
+                              "encoding, the paper's)", "tokenizer and batches", choices=VOCAB_TYPES)
+    vocab_sample: int = setting(
+        2_000_000, "train the vocabulary on a uniform random sample of this many lines of all the training "
+        "text, both sides, drawn by --seed (a smaller corpus is used whole); its memory and time grow with it",
+        "tokenizer and batches", type=int, metavar="LINES")
+    lowercase: bool = setting(
+        False, "train a case-folding vocabulary (sentencepiece's nmt_nfkc_cf normaliser): the model reads and "
+        "writes lowercase text, and kt-evaluate scores it case-insensitively", "tokenizer and batches",
+        shown="cased", action="store_true")
+    tokens_per_batch: int = setting(
+        4096, "token budget of a batch and side, over all replicas together (split evenly between them)",
+        "tokenizer and batches", type=int)
+    tokens_per_replica: int | None = setting(
+        None, "token budget of a batch and side on each replica (fairseq's --max-tokens): the batch on N "
+        "replicas is N times this; when set, it wins over --tokens-per-batch", "tokenizer and batches",
+        shown="off", type=int, metavar="T")
+    max_sentence_length: int = setting(
+        128, "drop training pairs whose source or decoder input is longer than this many tokens (end or start "
+        "id included); config.json records it as max_source_length, the longest source kt-evaluate and the "
+        "export translate (longer ones are cut, and say so)", "tokenizer and batches", type=int, metavar="N")
+    shuffle_buffer: int = setting(20_000, "the training batches' shuffle buffer, in pairs, for text corpora",
+                                  "tokenizer and batches", type=int, metavar="PAIRS")
+    subword_sampling: float | None = setting(
+        None, "subword regularization (Kudo, 2018): sample each training sentence's segmentation anew every "
+        "epoch, with probabilities proportional to p ** ALPHA (lower = more varied, e.g. 0.2-0.5); validation "
+        "and evaluation keep the best segmentation", "tokenizer and batches", shown="off", type=float,
+        metavar="ALPHA")
+
+    model_dir: str = setting("runs/model", "output directory", "training")
+    init_from: str | None = setting(
+        None, "fine-tune: start from this kt-train model directory (or a .keras file in one), with its "
+        "vocabulary, architecture and weights, and a fresh optimizer and learning-rate schedule", "training",
+        metavar="MODEL_DIR")
+    epochs: int | None = setting(
+        10, "passes over the training data; with --max-updates, at most this many (a config's \"epochs\": null: "
+        "no epoch limit)", "training", type=int)
+    max_updates: int | None = setting(
+        None, "stop after N optimizer updates, in the middle of an epoch if need be (fairseq's --max-update; that "
+        "epoch still ends: validation, checkpoint, history row): a recipe defined by work; a resumed run stops at "
+        "the same update", "training", shown="no limit",
+        type=int, metavar="N")
+    checkpoint_every: int | None = setting(
+        None, "a recipe by updates (fairseq's --save-interval-updates): every N updates a checkpoint "
+        "(checkpoints/update-NNNNNNN.weights.h5, which kt-average-checkpoints --last averages), the validation "
+        "loss, a history.csv row and, by default, a backup, instead of once per pass over the corpus; needs "
+        "--max-updates, the run's length (Keras' progress calls each N updates an epoch; --epochs is not used)",
+        "training", shown="off", type=int, metavar="N")
+    steps_per_epoch: int | None = setting(None, "fixed steps per epoch over a repeated dataset", "training",
+                                          shown="one pass", type=int, metavar="N")
+    max_minutes: float | None = setting(
+        None, "stop after the last whole epoch that fits in this many minutes of training (one more epoch of the "
+        "mean length so far would not; 0: no limit; one worker only)", "training", shown="no limit", type=float,
+        metavar="M")
+    warmup_steps: int = setting(
+        4000, "the learning rate's warm-up, in updates (kt.TransformerSchedule; kt.paper_adam: beta_1 0.9, beta_2 "
+        "0.98)", "training", type=int)
+    learning_rate_scale: float = setting(
+        1.0, "multiply the paper's learning-rate curve by this (OpenNMT-tf's NoamDecay scale): the peak, at "
+        "the end of warm-up, is S * (d_model * warmup) ** -0.5", "training", type=float, metavar="S")
+    label_smoothing: float = setting(0.1, "label smoothing of the loss (the paper's epsilon_ls)", "training",
+                                     type=float)
+    r_drop: float | None = setting(
+        None, "R-Drop (Liang et al., 2021): every training and validation pair twice in its batch, and WEIGHT "
+        "times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to the loss (the "
+        "paper's alpha: 5 for translation); an update costs over twice as much", "training", shown="off",
+        type=float, metavar="WEIGHT")
+    adam_epsilon: float | None = setting(None, "Adam's epsilon (fairseq's default is 1e-8)", "training",
+                                         shown="1e-9, the paper's", type=float)
+    global_clipnorm: float | None = setting(
+        None, "rescale the update's gradient when its global norm, over all variables together, exceeds NORM "
+        "(fairseq's --clip-norm; not Keras' per-variable clipnorm): the gradient summed over every replica and "
+        "accumulated batch", "training", shown="no clipping", type=float, metavar="NORM")
+    grad_accum: int = setting(
+        1, "batches per update on every replica (fairseq's --update-freq): the gradient is summed over them and "
+        "over the replicas, then clipped and applied once", "training", type=int, metavar="N")
+    mixed_precision: bool | str = setting(
+        "auto", "auto: mixed_bfloat16 on a CPU only with native bfloat16 (avx512_bf16 or amx_bf16), on GPUs "
+        "mixed_bfloat16 from compute capability 8.0 and mixed_float16 from 7.0, else float32. The flags force "
+        "mixed precision (mixed_bfloat16 on CPU, mixed_float16 on GPU) or float32", "training",
+        flags=(Flag("--mixed-precision", dict(action="store_true"), "force mixed precision (default: auto, "
+                    "where the hardware computes half precision natively)"),
+               Flag("--no-mixed-precision", dict(action="store_false"), "force float32")))
+    jit_compile: bool = setting(False, "compile the train step with XLA", "training", action="store_true")
+    cpu_replicas: int = setting(1, "split the CPU into N logical devices for MirroredStrategy", "training",
+                                type=int, metavar="N")
+    backup_every: int | None = setting(None, "a backup every N updates, for a killed run to resume from",
+                                       "training", shown="every epoch", type=int, metavar="N")
+    seed: int = setting(1234, "seeds the weights, the vocabulary's sample and the data order", "training",
+                        type=int)
+
+    average_last: int | None = setting(
+        None, "kt-average-checkpoints averages the last N checkpoints", GROUPS[4], shown=f"its own: {DEFAULT_AVERAGE_LAST}", type=int,
+        metavar="N")
+    beam_size: int | None = setting(None, "kt-evaluate's and kt-export's beam size", GROUPS[4],
+                                    shown=f"theirs: {DEFAULT_BEAM_SIZE}", type=int)
+    length_penalty: float | None = setting(
+        None, "kt-evaluate's and kt-export's length penalty: a hypothesis scores log P / ((5 + length) / 6)^A",
+        GROUPS[4], shown=f"theirs: {DEFAULT_LENGTH_PENALTY}", type=float, metavar="A")
+
+    verbose: int | str = setting(
+        "auto", "show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: 0 "
+        "silent, 1 progress bar, 2 one line per epoch", "output", shown="auto: 1 on a terminal, 2 otherwise",
+        nargs="?", const="auto", type=_verbosity, metavar="N")
+
+    def to_dict(self) -> dict:
+        """The settings by name, as config.json's "training" records them."""
+        return dataclasses.asdict(self)
+
+
+SETTINGS = {f.name: f for f in dataclasses.fields(TrainSettings)}
+_TYPES = typing.get_type_hints(TrainSettings)
+
+
+def default(name: str):
+    """A setting's default value."""
+    f = SETTINGS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def flags_of(name: str) -> list[Flag]:
+    f = SETTINGS[name]
+    if f.metadata["flags"] is not None:
+        return list(f.metadata["flags"])
+    return [Flag("--" + name.replace("_", "-"), f.metadata["flag_kwargs"])]
+
+
+def shown_default(name: str) -> str:
+    """A setting's default as --help and the table say it: its `shown` text, else its value ("" for None, on/off
+    for a flag, thousands separated from 10,000)."""
+    f = SETTINGS[name]
+    if f.metadata["shown"] is not None:
+        return f.metadata["shown"]
+    value = default(name)
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:,}" if isinstance(value, int) and value >= 10_000 else str(value)
+
+
+def add_setting_flags(parser_or_group, names, *, with_defaults: bool = False) -> None:
+    """Adds the flags of the settings `names` to an argparse parser or group, each with its help and default.
+    `with_defaults`: the parser sets the default itself (for a command whose parser does not suppress them)."""
+    for name in names:
+        for flag in flags_of(name):
+            kwargs = dict(flag.kwargs)
+            kwargs.setdefault("dest", name)
+            if with_defaults and kwargs["dest"] == name:
+                kwargs["default"] = default(name)
+            # A flag's own help is one of several ways to set the setting: the default is said with the setting's.
+            help_text, shown = (flag.help, "") if flag.help else (SETTINGS[name].metadata["help"], shown_default(name))
+            parser_or_group.add_argument(flag.name, help=f"{help_text} (default: {shown})" if shown else help_text,
+                                         **kwargs)
+
 
 DESCRIPTION = """Train a Transformer with `model.fit` under tf.distribute.
 
@@ -87,223 +275,165 @@ backup/ (BackupAndRestore, removed when training finishes), logs/
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """kt-train's parser: --config, then each setting's flags (`TrainSettings`), by group. A flag not given is
+    absent from the parsed arguments (argparse.SUPPRESS), so that the --config file's value stands."""
     p = argparse.ArgumentParser(
         prog="kt-train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="JSON file with any of the settings below (keys with underscores) "
                    "and \"model\": {Transformer arguments}. Command-line flags override it.")
-    p.add_argument("--preset", help="model size: tiny | small | base | big (default small)")
-    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE", dest="model_args",
-                   help="override a Transformer argument, e.g. --model-arg dropout=0.3 (repeatable)")
-    p.add_argument("--dropout", type=float, help="shortcut for --model-arg dropout=X")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", help="multi30k (default; read as text) | files | a TFDS name, e.g. "
-                   "ted_hrlr_translate/pt_to_en (prepared into MODEL_DIR/prepared first, as --train-files)")
-    g.add_argument("--data-dir", help="raw Multi30k directory (default: $KT_MULTI30K_DIR, else "
-                   "../shared/data/multi30k, else download)")
-    g.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets (default $KT_TFDS_DIR or ~/tensorflow_datasets)")
-    g.add_argument("--train-files", nargs=2, metavar=("SOURCE", "TARGET"), help="parallel text files, plain or gzip (implies --dataset files); prepared into "
-                   "MODEL_DIR/prepared first, as kt-prepare does, unless --subword-sampling or --max-train-examples "
-                   "keeps them text")
-    g.add_argument("--valid-files", nargs=2, metavar=("SOURCE", "TARGET"), help="validation text files for --dataset files")
-    g.add_argument("--prepared", metavar="DIR",
-                   help="train on a corpus kt-prepare prepared (its shards, its vocabulary, its validation set "
-                   "unless --valid-files), streamed, each worker its own shards")
-    g.add_argument("--source-lang")
-    g.add_argument("--target-lang")
-    g.add_argument("--no-alignment-check", dest="check_alignment", action="store_false",
-                   help="train on --train-files/--valid-files even where their pairs look shifted by a line")
-    g.add_argument("--max-train-examples", type=int, help="use only the first N training pairs (quick runs)")
-    g.add_argument("--max-eval-examples", type=int, help="use only the first N validation pairs")
-    g.add_argument("--no-validation", dest="validation", action="store_false", help="skip the validation loss")
-    g.add_argument("--val-bleu", action="store_true",
-                   help="after every epoch, also greedy-decode the validation set and record its BLEU (val_bleu in "
-                   "history.csv), e.g. for kt-average-checkpoints --best N --by val_bleu")
-    g = p.add_argument_group("tokenizer and batches")
-    g.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
-    g.add_argument("--vocab-size", type=int, help="joint subword vocabulary size (default 8000)")
-    g.add_argument("--vocab-type", choices=VOCAB_TYPES,
-                   help="the vocabulary's sentencepiece model: unigram (default) or bpe (byte-pair encoding, the "
-                   "paper's)")
-    g.add_argument("--vocab-sample", type=int, metavar="LINES",
-                   help="train the vocabulary on a uniform random sample of this many lines of all the training "
-                   "text, both sides, drawn by --seed (default 2,000,000; a smaller corpus is used whole)")
-    g.add_argument("--lowercase", action="store_true",
-                   help="train a case-folding vocabulary (sentencepiece's nmt_nfkc_cf normaliser): the model reads "
-                   "and writes lowercase text, and kt-evaluate scores it case-insensitively (default: cased)")
-    g.add_argument("--tokens-per-batch", type=int,
-                   help="token budget of a batch and side, over all replicas together (default 4096; split evenly "
-                   "between them)")
-    g.add_argument("--tokens-per-replica", type=int,
-                   help="token budget of a batch and side on each replica (fairseq's --max-tokens): the batch on "
-                   "N replicas is N times this; when set, it wins over --tokens-per-batch")
-    g.add_argument("--max-length", type=int, help="drop training pairs longer than this many tokens (default 128)")
-    g.add_argument("--shuffle-buffer", type=int)
-    g.add_argument("--subword-sampling", type=float, metavar="ALPHA",
-                   help="subword regularization (Kudo, 2018): sample each training sentence's segmentation anew "
-                   "every epoch, with probabilities proportional to p ** ALPHA (lower = more varied, e.g. 0.2-0.5); "
-                   "validation and evaluation keep the best segmentation (default: off)")
-    g = p.add_argument_group("training")
-    g.add_argument("--model-dir", help="output directory (default runs/model)")
-    g.add_argument("--init-from", metavar="MODEL_DIR",
-                   help="fine-tune: start from this kt-train model directory (or a .keras file in one), with its "
-                   "vocabulary, architecture and weights, and a fresh optimizer and learning-rate schedule")
-    g.add_argument("--epochs", type=int, help="passes over the training data (default 10); with --max-updates, "
-                   "at most this many (a config's \"epochs\": null: no epoch limit)")
-    g.add_argument("--max-updates", type=int, metavar="N",
-                   help="stop after N optimizer updates, in the middle of an epoch if need be (fairseq's "
-                   "--max-update): a recipe defined by work; a resumed run stops at the same update")
-    g.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="a recipe by updates (fairseq's --save-interval-updates): every N updates a checkpoint "
-                   "(checkpoints/update-NNNNNNN.weights.h5, which kt-average-checkpoints --last averages), the "
-                   "validation loss, a history.csv row and, by default, a backup, instead of once per pass over "
-                   "the corpus; needs --max-updates, the run's length (Keras' progress calls each N updates an "
-                   "epoch; --epochs is not used)")
-    g.add_argument("--steps-per-epoch", type=int, help="fixed steps per epoch over a repeated dataset")
-    g.add_argument("--max-minutes", type=float,
-                   help="stop after the last whole epoch that fits in this many minutes of training (default and 0: no limit)")
-    g.add_argument("--warmup-steps", type=int, help="learning-rate warm-up (default 4000)")
-    g.add_argument("--learning-rate-scale", type=float,
-                   help="multiply the paper's learning-rate curve by this (default 1; OpenNMT-tf's NoamDecay scale)")
-    g.add_argument("--label-smoothing", type=float)
-    g.add_argument("--r-drop", type=float, metavar="WEIGHT",
-                   help="R-Drop (Liang et al., 2021): every training and validation pair twice in its batch, and "
-                   "WEIGHT times the mean of KL(P||Q) and KL(Q||P) between the two dropout passes P and Q added to "
-                   "the loss (the paper's alpha: 5 for translation); an update costs over twice as much "
-                   "(default: off)")
-    g.add_argument("--adam-epsilon", type=float,
-                   help="Adam's epsilon (default 1e-9, the paper's; fairseq's default is 1e-8)")
-    g.add_argument("--global-clipnorm", type=float, metavar="NORM",
-                   help="rescale the gradients when their global norm (over all variables together) exceeds "
-                   "NORM (Keras' global_clipnorm; fairseq's --clip-norm; default: no clipping)")
-    g.add_argument("--grad-accum", type=int, metavar="N",
-                   help="batches per update on every replica (fairseq's --update-freq): the gradient is summed over "
-                   "them and over the replicas, then clipped and applied once (default 1)")
-    g.add_argument("--mixed-precision", action="store_true", help="force mixed precision: mixed_bfloat16 on CPU, "
-                   "mixed_float16 on GPU (default auto: only where the hardware computes half precision natively)")
-    g.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_false", help="force float32")
-    g.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
-    g.add_argument("--cpu-replicas", type=int, help="split the CPU into N logical devices for MirroredStrategy")
-    g.add_argument("--backup-every", type=int, metavar="N",
-                   help="a backup every N updates, for a killed run to resume from (default: every epoch)")
-    g.add_argument("--seed", type=int)
-    g = p.add_argument_group("after training (recorded in config.json for the commands that follow kt-train)")
-    g.add_argument("--average-last", type=int, metavar="N",
-                   help="kt-average-checkpoints averages the last N epoch checkpoints (its own default: 5)")
-    g.add_argument("--beam-size", type=int, help="kt-evaluate's and kt-export's beam size (their default: 4)")
-    g.add_argument("--length-penalty", type=float, metavar="A",
-                   help="kt-evaluate's and kt-export's length penalty: a hypothesis scores log P / ((5 + length) "
-                   "/ 6)^A (their default: 0.6)")
-    add_renamed_flags(g)  # --alpha, still read (with a note): see resolve_config
-    g = p.add_argument_group("output")
-    g.add_argument("--verbose", nargs="?", const="auto", type=_verbosity, metavar="N",
-                   help="show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: "
-                   "0 silent, 1 progress bar, 2 one line per epoch (default: 1 on a terminal, 2 otherwise)")
+    for group in GROUPS:
+        g = p if group == "model" else p.add_argument_group(group)
+        add_setting_flags(g, [name for name, f in SETTINGS.items() if f.metadata["group"] == group])
+        if group == "tokenizer and batches":
+            add_renamed_flags(g, "max_length")  # --max-length, still read (with a note): see resolve_settings
+        if group == GROUPS[4]:
+            add_renamed_flags(g, "alpha")  # --alpha, still read (with a note)
     return p
 
 
-def _verbosity(value):
-    return value if value == "auto" else int(value)
+def _renamed_keys(file_cfg: dict, config_file) -> dict:
+    """A --config file's settings with each old name (`RENAMED_SETTINGS`) moved onto its new one, with a note."""
+    for old, renamed in RENAMED_SETTINGS.items():
+        if old in file_cfg:
+            if renamed.new in file_cfg:
+                raise SystemExit(f"{config_file}: config key \"{old}\" is the old name of \"{renamed.new}\": "
+                                 f"give \"{renamed.new}\" only")
+            file_cfg[renamed.new] = file_cfg.pop(old)
+            print(f"[kt-train] note: config key \"{old}\" is now \"{renamed.new}\" (read as such)", file=sys.stderr,
+                  flush=True)
+    return file_cfg
 
 
-def resolve_config(argv=None) -> dict:
-    """The settings of a run: DEFAULTS, overridden by the --config file, overridden by the flags in `argv`."""
+def resolve_settings(argv=None) -> TrainSettings:
+    """The settings of a run: the defaults, overridden by the --config file, overridden by the flags in `argv`.
+    A key the file should not have, or a value of the wrong type, exits with a message naming it."""
     parser = build_parser()
     parsed = parser.parse_args(argv)
     take_renamed_flags(parser, parsed, "[kt-train] note:")
     args = vars(parsed)
-    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    values = {}
     if "config" in args:
         config_file = args.pop("config")
         with open(config_file, encoding="utf-8") as f:
-            file_cfg = json.load(f)
-        for old, new in RENAMED_SETTINGS.items():
-            if old in file_cfg:
-                if new in file_cfg:
-                    raise SystemExit(f"{config_file}: config key \"{old}\" is the old name of \"{new}\": "
-                                     f"give \"{new}\" only")
-                file_cfg[new] = file_cfg.pop(old)
-                print(f"[kt-train] note: config key \"{old}\" is now \"{new}\" (read as such)", file=sys.stderr,
-                      flush=True)
-        unknown = set(file_cfg) - set(DEFAULTS)
+            values = _renamed_keys(json.load(f), config_file)
+        unknown = set(values) - set(SETTINGS)
         if unknown:
-            raise SystemExit(f"Unknown keys in config file: {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        model = {**cfg["model"], **file_cfg.pop("model", {})}
-        cfg.update(file_cfg)
-        cfg["model"] = model
+            raise SystemExit(f"{config_file}: unknown keys {sorted(unknown)}; known: {sorted(SETTINGS)}")
+        for name, value in values.items():
+            problem = type_problem(name, value)
+            if problem:
+                raise SystemExit(f"{config_file}: \"{name}\": {problem}")
+    model = {**default("model"), **values.pop("model", {})}
     for kv in args.pop("model_args", []):
         key, _, value = kv.partition("=")
         try:
-            cfg["model"][key] = json.loads(value)
+            model[key] = json.loads(value)
         except json.JSONDecodeError:
-            cfg["model"][key] = value
+            model[key] = value
     if "dropout" in args:
-        cfg["model"]["dropout"] = args.pop("dropout")
-    cfg.update(args)
-    if cfg.get("train_files"):
-        cfg["dataset"] = "files"
-    return cfg
+        model["dropout"] = args.pop("dropout")
+    values.update(args)
+    if values.get("train_files"):
+        values["dataset"] = "files"
+    return TrainSettings(**values, model=model)
 
 
-def check_settings(cfg) -> None:
-    """Raises `ConfigError` naming the first setting out of its range."""
-    positive = {"adam_epsilon": "--adam-epsilon", "global_clipnorm": "--global-clipnorm"}
-    for key, flag in positive.items():
-        if cfg.get(key) is not None and not cfg[key] > 0:
-            raise ConfigError(f"{flag} ({key}) must be positive, got {cfg[key]!r}")
-    at_least_one = {"epochs": "--epochs", "max_updates": "--max-updates", "average_last": "--average-last",
-                    "beam_size": "--beam-size", "grad_accum": "--grad-accum", "tokens_per_replica": "--tokens-per-replica",
-                    "tokens_per_batch": "--tokens-per-batch", "backup_every": "--backup-every",
-                    "checkpoint_every": "--checkpoint-every",
-                    "vocab_sample": "--vocab-sample"}
-    for key, flag in at_least_one.items():
-        if cfg.get(key) is not None and not (isinstance(cfg[key], int) and cfg[key] >= 1):
-            raise ConfigError(f"{flag} ({key}) must be a whole number of at least 1, got {cfg[key]!r}")
-    if cfg.get("epochs") is None and cfg.get("max_updates") is None:
+def type_problem(name: str, value) -> str | None:
+    """Why `value` cannot be setting `name` (by `TrainSettings`' annotation), or None when it can."""
+    allowed = typing.get_args(_TYPES[name]) or (_TYPES[name],)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return None
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return None
+        if kind in (str, bool, dict) and isinstance(value, kind):
+            return None
+        if kind is list and isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+            return None
+    wanted = " or ".join({type(None): "null", list: "a [SOURCE, TARGET] pair of file names"}.get(k, k.__name__)
+                         for k in allowed)
+    return f"expected {wanted}, got {value!r}"
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting: its config key, its flags, its default and its help (training/README.md
+    holds a copy, which a test checks)."""
+    rows = ["| config key | flag | default | meaning |", "|---|---|---|---|"]
+    for name, f in SETTINGS.items():
+        flags = ", ".join(f"`{flag.name}`" for flag in flags_of(name))
+        meaning = f.metadata["help"].replace("|", "\\|")
+        rows.append(f"| `{name}` | {flags} | {shown_default(name).replace('|', chr(92) + '|')} | {meaning} |")
+    return "\n".join(rows)
+
+
+def check_settings(settings: TrainSettings) -> None:
+    """Raises `ConfigError` naming the first setting out of its range, or of a type it cannot have."""
+    s = settings
+    for name in SETTINGS:
+        problem = type_problem(name, getattr(s, name))
+        if problem:
+            raise ConfigError(f"{name}: {problem}")
+    for name in ("adam_epsilon", "global_clipnorm"):
+        if getattr(s, name) is not None and not getattr(s, name) > 0:
+            raise ConfigError(f"{_flag(name)} ({name}) must be positive, got {getattr(s, name)!r}")
+    for name in ("epochs", "max_updates", "average_last", "beam_size", "grad_accum", "tokens_per_replica",
+                 "tokens_per_batch", "backup_every", "checkpoint_every", "vocab_sample", "max_sentence_length",
+                 "cpu_replicas"):
+        if getattr(s, name) is not None and not getattr(s, name) >= 1:
+            raise ConfigError(f"{_flag(name)} ({name}) must be a whole number of at least 1, got {getattr(s, name)!r}")
+    if s.epochs is None and s.max_updates is None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
-    if cfg.get("vocab_type", VOCAB_TYPES[0]) not in VOCAB_TYPES:
-        raise ConfigError(f"vocab_type (--vocab-type) must be one of {', '.join(VOCAB_TYPES)}, got {cfg['vocab_type']!r}")
-    if cfg.get("checkpoint_every"):
-        if cfg.get("max_updates") is None:
+    if s.vocab_type not in VOCAB_TYPES:
+        raise ConfigError(f"vocab_type (--vocab-type) must be one of {', '.join(VOCAB_TYPES)}, got {s.vocab_type!r}")
+    if s.checkpoint_every:
+        if s.max_updates is None:
             raise ConfigError("--checkpoint-every (checkpoint_every) counts updates: the run's length is then "
                               "--max-updates N (max_updates), which is not set")
-        if cfg.get("steps_per_epoch"):
+        if s.steps_per_epoch:
             raise ConfigError("--checkpoint-every sets the span between checkpoints: drop --steps-per-epoch")
-    if cfg.get("prepared"):
+    if s.prepared:
         clashes = {"subword_sampling": "--subword-sampling: it draws each sentence's segmentation anew every "
                    "epoch, from its text, and a prepared corpus holds token ids; train from text "
                    "(--train-files) to sample segmentations",
                    "tokenizer": "--tokenizer: a prepared corpus's ids are in its own vocabulary",
                    "max_train_examples": "--max-train-examples: prepare a smaller corpus instead",
                    "train_files": "--train-files: the corpus is the prepared one"}
-        for key, why in clashes.items():
-            if cfg.get(key):
+        for name, why in clashes.items():
+            if getattr(s, name):
                 raise ConfigError(f"--prepared cannot be combined with {why}")
-    off_at_zero = {"subword_sampling": "--subword-sampling", "r_drop": "--r-drop"}
-    for key, flag in off_at_zero.items():
-        if cfg.get(key) is not None and not cfg[key] >= 0:
-            raise ConfigError(f"{flag} ({key}) must be positive (or 0 for off), got {cfg[key]!r}")
+    for name in ("subword_sampling", "r_drop"):
+        if getattr(s, name) is not None and not getattr(s, name) >= 0:
+            raise ConfigError(f"{_flag(name)} ({name}) must be positive (or 0 for off), got {getattr(s, name)!r}")
 
 
-def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
-    """Writes MODEL_DIR/config.json atomically (common.run_dir.read_config reads it)."""
+def _flag(name: str) -> str:
+    return flags_of(name)[0].name if flags_of(name) else f"\"{name}\""
+
+
+def write_config(settings: TrainSettings, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
+    """Writes MODEL_DIR/config.json atomically (common.run_dir.read_config reads it): the run's languages, ids,
+    vocabulary and file names, the longest source its model translates (`max_source_length`, the training
+    pairs' `max_sentence_length`), the model's configuration and dtype policy, and every setting ("training")."""
     out = {
-        "source_lang": cfg["source_lang"],
-        "target_lang": cfg["target_lang"],
+        "source_lang": settings.source_lang,
+        "target_lang": settings.target_lang,
         "vocab_size": vocab_size,
         "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
         "start_id": START_ID, "end_id": END_ID,
         "source_format": "sentencepiece pieces + [eos_id]",
         "target_format": "decoder input [bos_id] + pieces; output pieces + [eos_id]",
-        "max_length": cfg["max_length"],
+        "max_source_length": settings.max_sentence_length,
         "tokenizer_file": TOKENIZER_FILENAME,
         "model_file": MODEL_FILENAME,
         "checkpoint_dir": CHECKPOINT_DIR,
-        "preset": cfg["preset"],
+        "preset": settings.preset,
         "model_config": {k: v for k, v in model.get_config().items()
                          if k not in ("name", "trainable", "dtype")},
         "dtype_policy": policy,
-        "training": {k: v for k, v in cfg.items() if k not in ("model", "init_from_model")},
+        "training": settings.to_dict(),
     }
     if extra:
         out.update(extra)
@@ -314,11 +444,11 @@ def write_config(cfg, model_dir: Path, vocab_size: int, model, policy: str, extr
     return path
 
 
-def batch_plan(cfg, replicas: int, previous: dict | None = None) -> dict:
+def batch_plan(settings: TrainSettings, replicas: int, previous: dict | None = None) -> dict:
     """How many tokens an update takes: {"tokens_per_replica", "replicas", "grad_accum", "tokens_per_update"}
     (budgets of padded tokens per side; `make_batches` takes `tokens_per_replica * replicas` as its batch's).
 
-    `cfg["tokens_per_replica"]`, when set, wins over `cfg["tokens_per_batch"]`: it is what a device's memory
+    `settings.tokens_per_replica`, when set, wins over `settings.tokens_per_batch`: it is what a device's memory
     bounds, and the same per-replica batch then fits on any number of devices. A global `tokens_per_batch`
     is split between the replicas, so the update keeps its size on any number of them.
 
@@ -326,14 +456,14 @@ def batch_plan(cfg, replicas: int, previous: dict | None = None) -> dict:
     with a per-replica budget, the accumulation is changed to keep the run's tokens per update, and where no
     whole number of batches keeps it, a `ConfigError` says how to go on.
     """
-    accumulate = cfg.get("grad_accum") or 1
-    if cfg.get("tokens_per_replica"):
-        per_replica = int(cfg["tokens_per_replica"])
+    accumulate = settings.grad_accum or 1
+    if settings.tokens_per_replica:
+        per_replica = int(settings.tokens_per_replica)
     else:
-        per_replica = int(cfg["tokens_per_batch"]) // replicas
+        per_replica = int(settings.tokens_per_batch) // replicas
     plan = {"tokens_per_replica": per_replica, "replicas": replicas, "grad_accum": accumulate,
             "tokens_per_update": per_replica * replicas * accumulate}
-    if previous is None or previous["replicas"] == replicas or not cfg.get("tokens_per_replica"):
+    if previous is None or previous["replicas"] == replicas or not settings.tokens_per_replica:
         return plan
     wanted = previous["tokens_per_update"]
     batches, left = divmod(wanted, per_replica * replicas)
@@ -346,3 +476,7 @@ def batch_plan(cfg, replicas: int, previous: dict | None = None) -> dict:
             f"{wanted:,}, or on {previous['replicas']} replica(s); or start a run of its own from this one's "
             f"weights with --init-from.")
     return {**plan, "grad_accum": batches, "tokens_per_update": wanted}
+
+
+if __name__ == "__main__":  # python -m training.config: the settings table of training/README.md
+    print(settings_table())

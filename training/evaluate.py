@@ -55,8 +55,9 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from export.translate import Translated, translate_lines  # noqa: E402
-from common.run_dir import add_renamed_flags, read_config, recorded_setting, take_renamed_flags  # noqa: E402
-from export.translator import DEFAULT_LENGTH_PENALTY, DEFAULT_BEAM_SIZE, Translator  # noqa: E402
+from common.run_dir import (DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, add_renamed_flags, read_config,  # noqa: E402
+                            recorded_setting, take_renamed_flags)
+from export.translator import Translator  # noqa: E402
 from keras_transformer.text import read_lines  # noqa: E402
 from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
@@ -175,7 +176,7 @@ def translate_all(translator, sources: list[str], beam_size: int = 4, batch_size
 def truncation_line(truncated: int, sources: int, max_source_length: int) -> str:
     """kt-evaluate's line for `truncated` of `sources` sources cut to the model's limit."""
     return (f"{truncated} of {sources} sources were longer than the model's limit of {max_source_length} tokens "
-            "(config.json max_length, end token included) and were cut before translation "
+            "(config.json max_source_length, end token included) and were cut before translation "
             "(their BLEU counts the cut translation)")
 
 
@@ -206,7 +207,7 @@ def build_parser():
                    help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one "
                    f"kt-train --length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
     # The old name of --length-penalty, still read (with a note): see main.
-    add_renamed_flags(p)  # --alpha, still read (with a note)
+    add_renamed_flags(p, "alpha")  # --alpha, still read (with a note)
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
     p.add_argument("--max-examples", type=int, help="decode only the first N sentences")
     p.add_argument("--output", help="hypothesis file (default MODEL_DIR/hyp.SPLIT.LANG)")

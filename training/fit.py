@@ -1,12 +1,13 @@
 """The fit: parallel text -> tokenizer -> batches -> `model.fit` under tf.distribute -> a model directory.
 
-`train(cfg)` runs a whole kt-train run from a resolved configuration
+`train(settings)` runs a whole kt-train run from a resolved configuration
 (`training.config.resolve_config`); `build_and_compile` is the model and
 compile step alone (benchmarks use it to compile exactly as training does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -27,11 +28,11 @@ from keras_transformer.keras_internals import UpdateBoundProgbar, build_fit_stat
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
-from training.config import batch_plan, check_settings, write_config
+from training.config import TrainSettings, batch_plan, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
-from training.fine_tune import init_weights, resolve_init_from, set_init_weights
+from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_init_weights
 from training.pipeline import make_batches, mean_target_tokens
 from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
@@ -42,28 +43,28 @@ from training.update import UpdateStep
 NO_EPOCH_LIMIT = 1_000_000
 
 
-def data_spec(cfg, corpus: PreparedCorpus | None = None) -> DataSpec:
+def data_spec(settings: TrainSettings, corpus: PreparedCorpus | None = None) -> DataSpec:
     """The DataSpec of a configuration; `--dataset files` needs --train-files. With a prepared `corpus`, the
     spec of its validation set: --valid-files, else the one kt-prepare recorded."""
     if corpus is not None:
-        validation = ({"files": cfg["valid_files"]} if cfg.get("valid_files")
+        validation = ({"files": settings.valid_files} if settings.valid_files
                       else corpus.manifest.get("validation") or {})
         if "files" in validation:
-            return DataSpec(dataset="files", source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
-                            files={"validation": tuple(validation["files"])}, check_alignment=cfg["check_alignment"])
-        return DataSpec(dataset=validation.get("tfds", "files"), source_lang=cfg["source_lang"],
-                        target_lang=cfg["target_lang"], data_dir=validation.get("data_dir") or cfg["data_dir"],
-                        tfds_data_dir=validation.get("tfds_data_dir") or cfg["tfds_data_dir"], files={})
+            return DataSpec(dataset="files", source_lang=settings.source_lang, target_lang=settings.target_lang,
+                            files={"validation": tuple(validation["files"])}, check_alignment=settings.check_alignment)
+        return DataSpec(dataset=validation.get("tfds", "files"), source_lang=settings.source_lang,
+                        target_lang=settings.target_lang, data_dir=validation.get("data_dir") or settings.data_dir,
+                        tfds_data_dir=validation.get("tfds_data_dir") or settings.tfds_data_dir, files={})
     files = None
-    if cfg["dataset"] == "files":
-        if not cfg.get("train_files"):
+    if settings.dataset == "files":
+        if not settings.train_files:
             raise ConfigError("--dataset files needs --train-files SOURCE TARGET")
-        files = {"train": tuple(cfg["train_files"])}
-        if cfg.get("valid_files"):
-            files["validation"] = tuple(cfg["valid_files"])
-    return DataSpec(dataset=cfg["dataset"], source_lang=cfg["source_lang"], target_lang=cfg["target_lang"],
-                    data_dir=cfg["data_dir"], tfds_data_dir=cfg["tfds_data_dir"], files=files,
-                    check_alignment=cfg["check_alignment"])
+        files = {"train": tuple(settings.train_files)}
+        if settings.valid_files:
+            files["validation"] = tuple(settings.valid_files)
+    return DataSpec(dataset=settings.dataset, source_lang=settings.source_lang, target_lang=settings.target_lang,
+                    data_dir=settings.data_dir, tfds_data_dir=settings.tfds_data_dir, files=files,
+                    check_alignment=settings.check_alignment)
 
 
 # Where kt-train prepares a corpus it is given as text files or by TFDS name (kt-prepare's format).
@@ -72,25 +73,25 @@ RUN_PREPARED_DIR = "prepared"
 PREPARE_WAIT_SECONDS = 12 * 3600.0
 
 
-def text_reason(cfg) -> str | None:
+def text_reason(settings: TrainSettings) -> str | None:
     """Why kt-train reads its corpus as text rather than preparing it into the run directory first (the
     setting that makes it), or None when it prepares. `--train-files` and TFDS datasets are prepared (kt-prepare's way: memory flat in the
     corpus, tokenized once); Multi30k, small and built in, is read as text, and so is any corpus with
     --subword-sampling (it segments each sentence anew every epoch, from its text) or --max-train-examples."""
-    if cfg.get("prepared"):
+    if settings.prepared:
         return "--prepared"
-    if cfg["dataset"] == "multi30k":
+    if settings.dataset == "multi30k":
         return "Multi30k"
-    if cfg.get("subword_sampling"):
+    if settings.subword_sampling:
         return "--subword-sampling"
-    if cfg.get("max_train_examples"):
+    if settings.max_train_examples:
         return "--max-train-examples"
     return None
 
 
-def prepare_into_run(cfg, model_dir: Path, is_chief: bool) -> dict:
+def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool) -> TrainSettings:
     """Prepares the run's training corpus into MODEL_DIR/prepared with kt-prepare (the chief; the other
-    workers wait for its manifest) and returns `cfg` with `prepared` set to it. The vocabulary is the run's
+    workers wait for its manifest) and returns `settings` with `prepared` set to it. The vocabulary is the run's
     own if it has one (a resumed run), else --tokenizer's (or --init-from's), else trained as kt-train trains
     one; a finished preparation is reused, a killed one starts again."""
     from training.prepare import parse_args, prepare
@@ -98,35 +99,35 @@ def prepare_into_run(cfg, model_dir: Path, is_chief: bool) -> dict:
 
     out = model_dir / RUN_PREPARED_DIR
     if is_chief:
-        argv = ["--out", str(out), "--source-lang", cfg["source_lang"], "--target-lang", cfg["target_lang"],
-                "--seed", str(cfg["seed"])]
-        if cfg["dataset"] == "files":
-            argv += ["--train-files", *cfg["train_files"]]
+        argv = ["--out", str(out), "--source-lang", settings.source_lang, "--target-lang", settings.target_lang,
+                "--seed", str(settings.seed)]
+        if settings.dataset == "files":
+            argv += ["--train-files", *settings.train_files]
         else:
-            argv += ["--tfds", cfg["dataset"]]
-        if cfg.get("valid_files"):
-            argv += ["--valid-files", *cfg["valid_files"]]
-        for flag, key in (("--data-dir", "data_dir"), ("--tfds-data-dir", "tfds_data_dir")):
-            if cfg.get(key):
-                argv += [flag, cfg[key]]
+            argv += ["--tfds", settings.dataset]
+        if settings.valid_files:
+            argv += ["--valid-files", *settings.valid_files]
+        for flag, value in (("--data-dir", settings.data_dir), ("--tfds-data-dir", settings.tfds_data_dir)):
+            if value:
+                argv += [flag, value]
         own, given = model_dir / TOKENIZER_FILENAME, None
         if own.is_file() and not (out / MANIFEST_FILENAME).is_file():
             # A run begun on its text keeps the vocabulary its checkpoints are in.
             given, what, whose = own, f"this run's vocabulary {own}", "the run's"
-        elif cfg.get("tokenizer"):
-            given, what = cfg["tokenizer"], f"the vocabulary {cfg['tokenizer']}"
-            whose = "--init-from's" if cfg.get("init_from") else "--tokenizer's"
+        elif settings.tokenizer:
+            given, what = settings.tokenizer, f"the vocabulary {settings.tokenizer}"
+            whose = "--init-from's" if settings.init_from else "--tokenizer's"
         if given is not None:
             # The vocabulary's checks first, naming the file given, before anything is prepared with it.
             proto = read_tokenizer_proto(given)
             check_special_ids(proto)
-            _check_lowercase(cfg, lowercases(proto), what, whose)
+            _check_lowercase(settings, lowercases(proto), what, whose)
             argv += ["--tokenizer", str(given)]
         else:
-            argv += ["--vocab-size", str(cfg["vocab_size"]), "--vocab-type", cfg["vocab_type"],
-                     "--vocab-sample", str(cfg["vocab_sample"])]
-            argv += ["--lowercase"] if cfg.get("lowercase") else []
-        if not cfg["check_alignment"]:
+            argv += ["--vocab-size", str(settings.vocab_size), "--vocab-type", settings.vocab_type,
+                     "--vocab-sample", str(settings.vocab_sample)]
+            argv += ["--lowercase"] if settings.lowercase else []
+        if not settings.check_alignment:
             argv += ["--no-alignment-check"]
         print(f"[kt-train] preparing the corpus into {out} (kt-prepare {' '.join(argv)})", flush=True)
         prepare(parse_args(argv))
@@ -134,7 +135,7 @@ def prepare_into_run(cfg, model_dir: Path, is_chief: bool) -> dict:
         print(f"[kt-train] waiting for the chief worker to prepare the corpus into {out}", flush=True)
         _wait_for(out / MANIFEST_FILENAME, PREPARE_WAIT_SECONDS, what="the prepared corpus",
                   instead="prepare it once with kt-prepare and give every worker --prepared DIR")
-    return {**cfg, "prepared": str(out)}
+    return dataclasses.replace(settings, prepared=str(out))
 
 
 def _wait_for(path: Path, timeout: float = 1800.0, what: str = "the vocabulary",
@@ -150,27 +151,27 @@ def _wait_for(path: Path, timeout: float = 1800.0, what: str = "the vocabulary",
         time.sleep(0.5)
 
 
-def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tuple[bytes, bool]:
+def get_tokenizer_proto(settings: TrainSettings, train_pairs, model_dir: Path, is_chief: bool) -> tuple[bytes, bool]:
     """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text
-    (case-folding with `cfg["lowercase"]`). Returns the proto and whether it case-folds. A cased vocabulary
-    where `cfg["lowercase"]` asks for a case-folding one is a `ConfigError`."""
+    (case-folding with `settings.lowercase`). Returns the proto and whether it case-folds. A cased vocabulary
+    where `settings.lowercase` asks for a case-folding one is a `ConfigError`."""
     path = model_dir / TOKENIZER_FILENAME
-    if cfg.get("tokenizer"):
-        proto = read_tokenizer_proto(cfg["tokenizer"])
+    if settings.tokenizer:
+        proto = read_tokenizer_proto(settings.tokenizer)
         check_special_ids(proto)
         folding = lowercases(proto)
-        _check_lowercase(cfg, folding, f"the vocabulary {cfg['tokenizer']}",
-                         "--init-from's" if cfg.get("init_from") else "--tokenizer's")
+        _check_lowercase(settings, folding, f"the vocabulary {settings.tokenizer}",
+                         "--init-from's" if settings.init_from else "--tokenizer's")
         if is_chief:
             path.write_bytes(proto)
-            flag = "--init-from" if cfg.get("init_from") else "--prepared" if cfg.get("prepared") else "--tokenizer"
-            print(f"[kt-train] tokenizer: {cfg['tokenizer']} ({flag}{_folding(folding)}), copied to {path}",
+            flag = "--init-from" if settings.init_from else "--prepared" if settings.prepared else "--tokenizer"
+            print(f"[kt-train] tokenizer: {settings.tokenizer} ({flag}{_folding(folding)}), copied to {path}",
                   flush=True)
         return proto, folding
     if path.exists():
         proto = read_tokenizer_proto(path)
         folding = lowercases(proto)
-        _check_lowercase(cfg, folding, f"this run's vocabulary {path}", "the run's")
+        _check_lowercase(settings, folding, f"this run's vocabulary {path}", "the run's")
         if is_chief:
             print(f"[kt-train] tokenizer: {path} (the run's own{_folding(folding)})", flush=True)
         return proto, folding
@@ -178,7 +179,7 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
         _wait_for(path)
         proto = read_tokenizer_proto(path)
         return proto, lowercases(proto)
-    spm.set_random_generator_seed(cfg["seed"])  # seeds sentencepiece's sample of the lines too
+    spm.set_random_generator_seed(settings.seed)  # seeds sentencepiece's sample of the lines too
     t0 = time.time()
     lines = [0]
 
@@ -188,19 +189,19 @@ def get_tokenizer_proto(cfg, train_pairs, model_dir: Path, is_chief: bool) -> tu
             yield line
 
     try:
-        proto = train_sentencepiece(counted(), cfg["vocab_size"], model_type=cfg["vocab_type"],
-                                    input_sentence_size=cfg["vocab_sample"],
-                                    lowercase=bool(cfg.get("lowercase")))
+        proto = train_sentencepiece(counted(), settings.vocab_size, model_type=settings.vocab_type,
+                                    input_sentence_size=settings.vocab_sample,
+                                    lowercase=bool(settings.lowercase))
     except ValueError as e:
         raise ConfigError(f"{e} (--vocab-size)") from e
     tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
     tmp.write_bytes(proto)
     os.replace(tmp, path)  # atomic: other workers wait for this file
     folding = lowercases(proto)
-    sample = (f"a uniform random sample of {cfg['vocab_sample']:,} of its {lines[0]:,} lines"
-              if lines[0] > cfg["vocab_sample"] else f"all its {lines[0]:,} lines")
+    sample = (f"a uniform random sample of {settings.vocab_sample:,} of its {lines[0]:,} lines"
+              if lines[0] > settings.vocab_sample else f"all its {lines[0]:,} lines")
     print(f"[kt-train] tokenizer: {path} (a joint sentencepiece vocabulary of {vocab_size_of(proto):,} pieces "
-          f"({cfg['vocab_type']})"
+          f"({settings.vocab_type})"
           f"{_folding(folding)}, trained on {sample} of training text, both sides, in {time.time() - t0:.1f} s)",
           flush=True)
     return proto, folding
@@ -211,62 +212,63 @@ def _folding(folding: bool) -> str:
     return ", case-folding: the model reads and writes lowercase text" if folding else ""
 
 
-def _check_lowercase(cfg, folding: bool, what: str, whose: str) -> None:
-    """`ConfigError` when `cfg` asks for a case-folding vocabulary and the one found is cased (`folding` false)."""
-    if cfg.get("lowercase") and not folding:
+def _check_lowercase(settings: TrainSettings, folding: bool, what: str, whose: str) -> None:
+    """`ConfigError` when `settings` asks for a case-folding vocabulary and the one found is cased (`folding` false)."""
+    if settings.lowercase and not folding:
         raise ConfigError(f"--lowercase (\"lowercase\": true) asks for a case-folding vocabulary, but {what} "
                           f"is cased: drop --lowercase to train with {whose} vocabulary, or train a new one "
                           "(without --tokenizer, in a new --model-dir)")
 
 
-def build_model(cfg, vocab_size: int):
-    """A new Transformer: `cfg["preset"]` with `cfg["model"]` overrides, or with `--init-from` that model's
-    architecture (`cfg["model"]` may still change what has no weights, such as dropout)."""
-    init = cfg.get("init_from_model")
+def build_model(settings: TrainSettings, vocab_size: int, init: InitFrom | None = None):
+    """A new Transformer: `settings.preset` with `settings.model` overrides, or with `init` (`--init-from`'s
+    model, `resolve_init_from`) that model's architecture (`settings.model` may still change what has no
+    weights, such as dropout)."""
     if init is not None:
-        return kt.Transformer.from_config({**init.model_config, **cfg["model"], "vocab_size": vocab_size})
-    return kt.Transformer.from_preset(cfg["preset"], vocab_size=vocab_size, **cfg["model"])
+        return kt.Transformer.from_config({**init.model_config, **settings.model, "vocab_size": vocab_size})
+    return kt.Transformer.from_preset(settings.preset, vocab_size=vocab_size, **settings.model)
 
 
-def compile_model(model, cfg, optimizer=None):
+def compile_model(model, settings: TrainSettings, optimizer=None):
     """Compiles `model` with the paper's Adam (or `optimizer`) and the configured loss. Gradient accumulation
     and clipping are not the optimizer's: `build_and_compile`'s `UpdateStep` does them on the summed gradient."""
     kwargs = {}
-    if cfg.get("adam_epsilon") is not None:
-        kwargs["epsilon"] = cfg["adam_epsilon"]
+    if settings.adam_epsilon is not None:
+        kwargs["epsilon"] = settings.adam_epsilon
     if optimizer is None:
-        optimizer = kt.paper_adam(model.d_model, warmup_steps=cfg["warmup_steps"],
-                                  scale=cfg["learning_rate_scale"], **kwargs)
-    if cfg.get("r_drop"):
+        optimizer = kt.paper_adam(model.d_model, warmup_steps=settings.warmup_steps,
+                                  scale=settings.learning_rate_scale, **kwargs)
+    if settings.r_drop:
         # The training and validation batches hold every pair twice in a row (make_batches(copies=2), in train()).
-        loss = kt.MaskedRDropCrossentropy(kl_weight=cfg["r_drop"], label_smoothing=cfg["label_smoothing"])
+        loss = kt.MaskedRDropCrossentropy(kl_weight=settings.r_drop, label_smoothing=settings.label_smoothing)
     else:
-        loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=cfg["label_smoothing"])
+        loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=settings.label_smoothing)
     model.compile(
         optimizer=optimizer,
         loss=loss,
         metrics=[kt.MaskedAccuracy()],
-        jit_compile=bool(cfg["jit_compile"]),
+        jit_compile=bool(settings.jit_compile),
     )
     return model
 
 
-def build_and_compile(cfg, vocab_size: int, optimizer=None):
+def build_and_compile(settings: TrainSettings, vocab_size: int, optimizer=None, init: InitFrom | None = None):
     """Model + optimizer + loss, built (variables created) in the current strategy scope, training with an
-    `UpdateStep` (`cfg["grad_accum"]` batches per update, clipped to `cfg["global_clipnorm"]`)."""
-    model = build_model(cfg, vocab_size)
+    `UpdateStep` (`settings.grad_accum` batches per update, clipped to `settings.global_clipnorm`); `init`:
+    `build_model`'s."""
+    model = build_model(settings, vocab_size, init)
     dummy = np.ones((2, 2), "int32")  # two rows: one pair for R-Drop's loss
     model((dummy, dummy))
-    compile_model(model, cfg, optimizer)
+    compile_model(model, settings, optimizer)
     model.optimizer.build(model.trainable_variables)
     build_fit_state_now(model, ((dummy, dummy), dummy))
-    UpdateStep.install(model, accumulate=cfg["grad_accum"] or 1, global_clipnorm=cfg.get("global_clipnorm"))
+    UpdateStep.install(model, accumulate=settings.grad_accum or 1, global_clipnorm=settings.global_clipnorm)
     return model
 
 
-def set_precision(cfg) -> str:
-    """Sets Keras' global dtype policy as `cfg["mixed_precision"]` says ("auto", True, False) and says why."""
-    policy, reason = choose_policy(cfg["mixed_precision"])
+def set_precision(settings: TrainSettings) -> str:
+    """Sets Keras' global dtype policy as `settings.mixed_precision` says ("auto", True, False) and says why."""
+    policy, reason = choose_policy(settings.mixed_precision)
     print(f"[kt-train] precision: {policy} ({reason})", flush=True)
     keras.mixed_precision.set_global_policy(policy)
     return policy
@@ -290,7 +292,7 @@ def previous_batch_plan(model_dir: Path, out_dir: Path) -> dict | None:
         return None
 
 
-def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
+def continue_finished_run(settings: TrainSettings, model_dir: Path, out_dir: Path) -> None:
     """Training into a finished run (its model.keras written, its backup deleted) with a larger
     `--max-updates` or `--epochs` continues it, as fairseq does when `--max-update` is raised.
 
@@ -303,22 +305,22 @@ def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
     """
     done = read_config(model_dir).get("last_run") or {}
     steps = done.get("optimizer_steps")
-    if cfg.get("checkpoint_every"):
+    if settings.checkpoint_every:
         # A run by updates: its last checkpoint is the one its end wrote (`UpdateCheckpoint.on_train_end`), and
         # its spans of N updates are Keras' epochs.
-        checkpoints = [(-(-update // cfg["checkpoint_every"]), path) for update, path in update_checkpoints(out_dir)
+        checkpoints = [(-(-update // settings.checkpoint_every), path) for update, path in update_checkpoints(out_dir)
                        if update == steps]
     else:
         checkpoints = epoch_checkpoints(out_dir)
     epochs, last = checkpoints[-1] if checkpoints else (None, None)
-    bounds = [(cfg.get("max_updates"), steps), (cfg.get("epochs"), epochs)]
+    bounds = [(settings.max_updates, steps), (settings.epochs, epochs)]
     larger = [bool(done_so_far is not None and wanted > done_so_far) for wanted, done_so_far in bounds if wanted]
-    if cfg.get("init_from") or steps is None or not checkpoints or not larger or not all(larger):
+    if settings.init_from or steps is None or not checkpoints or not larger or not all(larger):
         did = f"; it made {steps:,} updates in {epochs} epochs" if steps is not None and epochs else ""
         past = (f"--max-updates above {steps:,} (and --epochs, if set, above {epochs}; a config's \"epochs\": null "
                 "sets no epoch limit)") if did else "a larger --max-updates or --epochs"
-        asked = " and ".join(f"--{flag} {cfg[key]:,}" for key, flag in (("max_updates", "max-updates"),
-                                                                       ("epochs", "epochs")) if cfg.get(key))
+        asked = " and ".join(f"--{flag} {value:,}" for value, flag in ((settings.max_updates, "max-updates"),
+                                                                       (settings.epochs, "epochs")) if value)
         raise ConfigError(
             f"{model_dir} holds a finished run ({model_dir / MODEL_FILENAME}{did}). This run ({asked}) would "
             f"not go past it, and training into it would start over at epoch 1, overwriting its checkpoints. To "
@@ -330,91 +332,118 @@ def continue_finished_run(cfg, model_dir: Path, out_dir: Path) -> None:
           f"{last.name}, with its optimizer state", flush=True)
 
 
-def train(cfg: dict, strategy=None) -> dict:
-    """Runs training as configured; returns a summary dict (also printed as JSON)."""
-    check_settings(cfg)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Where and on what a run trains, found out by `train` before the fit."""
+    strategy: tf.distribute.Strategy
+    model_dir: Path  # --model-dir: config.json, model.keras, the tokenizer
+    out_dir: Path  # this worker's checkpoints, backup, logs and history: model_dir on the chief
+    is_chief: bool
+    task_index: int
+    num_workers: int
+    replicas: int  # in sync, over all workers
+    vocab_size: int
+    policy: str  # Keras' dtype policy, set for the fit
+    plan: dict  # `training.config.batch_plan`
+    init: InitFrom | None  # --init-from's model, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class FitData:
+    """What `model.fit` reads: the training stream, the validation set, and what is counted of them."""
+    train: tf.data.Dataset
+    validation: tf.data.Dataset | None
+    steps_per_epoch: int | None  # None: an epoch is a pass over `train`
+    val_bleu: ValidationBLEU | None  # --val-bleu's callback
+    batch_contents: dict | None  # `mean_target_tokens` of the first batches (the chief's)
+
+
+def train(settings: TrainSettings, strategy=None) -> dict:
+    """Runs training as `settings` say; returns a summary dict (also printed as JSON)."""
+    check_settings(settings)
     if strategy is None:
-        strategy = make_strategy(cfg["cpu_replicas"])
+        strategy = make_strategy(settings.cpu_replicas)
     tfds.disable_progress_bar()
     is_chief, task_index, num_workers = worker_info()
-    model_dir = Path(cfg["model_dir"])
+    model_dir = Path(settings.model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     # Non-chief workers write their (identical) checkpoints/backups/logs aside.
     out_dir = model_dir if is_chief else model_dir / f".worker-{task_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
     if (model_dir / MODEL_FILENAME).exists() and not (out_dir / "backup").exists():
-        continue_finished_run(cfg, model_dir, out_dir)
-    keras.utils.set_random_seed(cfg["seed"])
-    if cfg.get("init_from"):
+        continue_finished_run(settings, model_dir, out_dir)
+    keras.utils.set_random_seed(settings.seed)
+    init = None
+    if settings.init_from:
         # Fine-tuning reuses the vocabulary and architecture of the model it starts from.
-        if cfg.get("tokenizer"):
+        if settings.tokenizer:
             raise ConfigError("--init-from reuses that model's vocabulary: drop --tokenizer")
-        init = resolve_init_from(cfg["init_from"])
-        cfg = {**cfg, "tokenizer": str(init.tokenizer_file), "init_from_model": init,
-               "preset": init.preset or cfg["preset"]}
+        init = resolve_init_from(settings.init_from)
+        settings = dataclasses.replace(settings, tokenizer=str(init.tokenizer_file),
+                                       preset=init.preset or settings.preset)
 
-    if text_reason(cfg) is None:
-        cfg = prepare_into_run(cfg, model_dir, is_chief)
+    if text_reason(settings) is None:
+        settings = prepare_into_run(settings, model_dir, is_chief)
     corpus = None
-    if cfg.get("prepared"):
-        corpus = open_prepared(cfg["prepared"], shards=[])  # the manifest alone: this worker's shards below
+    if settings.prepared:
+        corpus = open_prepared(settings.prepared, shards=[])  # the manifest alone: this worker's shards below
         worker = worker_shards(len(corpus.shards), task_index, num_workers)
-        corpus = open_prepared(cfg["prepared"], shards=worker if num_workers > 1 else None)
+        corpus = open_prepared(settings.prepared, shards=worker if num_workers > 1 else None)
     if corpus is not None:
         # The corpus's ids are in its vocabulary; no worker trains one or waits for one.
         for key in ("source_lang", "target_lang"):
-            if cfg[key] != corpus.manifest[key]:
-                raise ConfigError(f"--{key.replace('_', '-')} {cfg[key]} but {corpus.directory} was prepared with "
-                                  f"{corpus.manifest[key]}")
-        if cfg.get("init_from") and Path(cfg["tokenizer"]).read_bytes() != corpus.tokenizer_file.read_bytes():
+            if getattr(settings, key) != corpus.manifest[key]:
+                raise ConfigError(f"--{key.replace('_', '-')} {getattr(settings, key)} but {corpus.directory} was "
+                                  f"prepared with {corpus.manifest[key]}")
+        if settings.init_from and Path(settings.tokenizer).read_bytes() != corpus.tokenizer_file.read_bytes():
             raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
-                              f"it with kt-prepare --tokenizer {cfg['tokenizer']}")
+                              f"it with kt-prepare --tokenizer {settings.tokenizer}")
         # config.json's dataset is where kt-evaluate finds the test set: a TFDS corpus's, or files it is given.
         validation = corpus.manifest.get("validation") or {}
-        cfg = {**cfg, "dataset": validation.get("tfds", "files"),
-               "data_dir": cfg["data_dir"] or validation.get("data_dir"),
-               "tfds_data_dir": cfg["tfds_data_dir"] or validation.get("tfds_data_dir")}
+        settings = dataclasses.replace(settings, dataset=validation.get("tfds", "files"),
+                                       data_dir=settings.data_dir or validation.get("data_dir"),
+                                       tfds_data_dir=settings.tfds_data_dir or validation.get("tfds_data_dir"))
         train_pairs = None
-        proto, folding = get_tokenizer_proto({**cfg, "tokenizer": str(corpus.tokenizer_file)}, None, model_dir,
-                                             is_chief)
+        proto, folding = get_tokenizer_proto(dataclasses.replace(settings, tokenizer=str(corpus.tokenizer_file)),
+                                             None, model_dir, is_chief)
     else:
-        train_pairs = load_text_pairs(data_spec(cfg), "train", max_examples=cfg["max_train_examples"])
-        proto, folding = get_tokenizer_proto(cfg, train_pairs, model_dir, is_chief)
-    spec = data_spec(cfg, corpus)
+        train_pairs = load_text_pairs(data_spec(settings), "train", max_examples=settings.max_train_examples)
+        proto, folding = get_tokenizer_proto(settings, train_pairs, model_dir, is_chief)
+    spec = data_spec(settings, corpus)
     # config.json records what the vocabulary does (a --tokenizer may case-fold without --lowercase):
     # kt-evaluate scores a case-folding model's output case-insensitively.
-    cfg = {**cfg, "lowercase": folding}
+    settings = dataclasses.replace(settings, lowercase=folding)
     tokenizer = make_tokenizer(proto)
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
-    plan = batch_plan(cfg, replicas, previous_batch_plan(model_dir, out_dir))
-    if plan["grad_accum"] != (cfg["grad_accum"] or 1):
+    plan = batch_plan(settings, replicas, previous_batch_plan(model_dir, out_dir))
+    if plan["grad_accum"] != (settings.grad_accum or 1):
         print(f"[kt-train] resumed on {replicas} replica(s): {plan['grad_accum']} batches per update (not "
-              f"{cfg['grad_accum'] or 1}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
-    cfg = {**cfg, "grad_accum": plan["grad_accum"]}
+              f"{settings.grad_accum or 1}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
+    settings = dataclasses.replace(settings, grad_accum=plan["grad_accum"])
     if is_chief:
+        budget = "--tokens-per-replica" if settings.tokens_per_replica else "--tokens-per-batch split between the replicas"
         print(f"[kt-train] batch plan: {replicas} replica(s) x {plan['tokens_per_replica']:,} tokens per replica "
               f"x {plan['grad_accum']} batch(es) per update = {plan['tokens_per_update']:,} tokens per update "
-              f"(budgets of padded tokens per side; "
-              f"{'--tokens-per-replica' if cfg.get('tokens_per_replica') else '--tokens-per-batch split between the replicas'})",
-              flush=True)
-    batch_args = dict(max_length=cfg["max_length"], tokens_per_batch=plan["tokens_per_replica"] * replicas,
-                      num_replicas=replicas, pad_to_bucket_boundary=bool(cfg["jit_compile"]))
-    steps = cfg["steps_per_epoch"]
-    if cfg.get("checkpoint_every"):
+              f"(budgets of padded tokens per side; {budget})", flush=True)
+    batch_args = dict(max_sentence_length=settings.max_sentence_length,
+                      tokens_per_batch=plan["tokens_per_replica"] * replicas,
+                      num_replicas=replicas, pad_to_bucket_boundary=bool(settings.jit_compile))
+    steps = settings.steps_per_epoch
+    if settings.checkpoint_every:
         # A recipe by updates: Keras' epochs are spans of N updates over the repeated stream, each ending in the
         # validation and a history row; the checkpoints follow the update count itself (`UpdateCheckpoint`).
-        steps = cfg["checkpoint_every"] * cfg["grad_accum"]
-        cfg = {**cfg, "epochs": None}
-    sampling_alpha = cfg["subword_sampling"]
+        steps = settings.checkpoint_every * settings.grad_accum
+        settings = dataclasses.replace(settings, epochs=None)
+    sampling_alpha = settings.subword_sampling
     train_tokenizer = make_tokenizer(proto, sampling_alpha=sampling_alpha) if sampling_alpha else tokenizer
     # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
     # the loss is the plain one. The batch counts below see each pair once: what an update trains on.
-    copies = 2 if cfg.get("r_drop") else 1
+    copies = 2 if settings.r_drop else 1
     if corpus is not None:
-        stream = dict(max_length=cfg["max_length"], tokens_per_replica=plan["tokens_per_replica"], seed=cfg["seed"],
-                      start=ResumableBackup.saved_step(out_dir / "backup"),
-                      pad_to_bucket_boundary=bool(cfg["jit_compile"]), copies=copies)
+        stream = dict(max_sentence_length=settings.max_sentence_length, tokens_per_replica=plan["tokens_per_replica"],
+                      seed=settings.seed, start=ResumableBackup.saved_step(out_dir / "backup"),
+                      pad_to_bucket_boundary=bool(settings.jit_compile), copies=copies)
 
         def worker_batches(context=tf.distribute.InputContext()):
             # One batch per replica: each of this worker's replicas takes the next one in turn.
@@ -423,31 +452,31 @@ def train(cfg: dict, strategy=None) -> dict:
 
         train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or num_workers > 1
                     else worker_batches())
-        one_pass = steps_per_epoch(corpus, max_length=cfg["max_length"],
+        one_pass = steps_per_epoch(corpus, max_sentence_length=settings.max_sentence_length,
                                    tokens_per_replica=plan["tokens_per_replica"], replicas=replicas)
         steps = steps or one_pass
-        span = (f"a pass over it is {one_pass // cfg['grad_accum']:,} updates; a checkpoint and the validation "
-                f"every {cfg['checkpoint_every']:,} updates (--checkpoint-every)" if cfg.get("checkpoint_every")
-                else f"an epoch is {steps // cfg['grad_accum']:,} updates")
+        span = (f"a pass over it is {one_pass // settings.grad_accum:,} updates; a checkpoint and the validation "
+                f"every {settings.checkpoint_every:,} updates (--checkpoint-every)" if settings.checkpoint_every
+                else f"an epoch is {steps // settings.grad_accum:,} updates")
         print(f"[kt-train] data: {corpus.directory} ({corpus.pairs:,} pairs in {len(corpus.shards)} shards; "
               f"worker {task_index + 1}/{num_workers} reads {len(worker)}); {span}", flush=True)
     else:
-        reason = text_reason(cfg)
+        reason = text_reason(settings)
         print(f"[kt-train] data: {spec.dataset}'s text, read into memory and tokenized every epoch ({reason}: "
               f"{'small' if reason == 'Multi30k' else 'not prepared'}; --train-files and TFDS corpora are "
               "prepared into the run first)", flush=True)
-        train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
-                                seed=cfg["seed"], repeat=bool(steps), copies=copies, **batch_args)
+        train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
+                                seed=settings.seed, repeat=bool(steps), copies=copies, **batch_args)
     batch_contents = None
     if is_chief:
         if corpus is not None:
             counted = prepared_dataset(corpus, worker, **{**stream, "copies": 1})
         else:
             # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
-            counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=cfg["shuffle_buffer"],
-                                   seed=cfg["seed"], **batch_args)
+            counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
+                                   seed=settings.seed, **batch_args)
         batch_contents = mean_target_tokens(counted)
-        accum = cfg["grad_accum"] or 1
+        accum = settings.grad_accum or 1
         # Per batch of all replicas: the prepared stream's batches are one replica's.
         per_batch = 1 if corpus is None else replicas
         batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum * per_batch)
@@ -459,86 +488,89 @@ def train(cfg: dict, strategy=None) -> dict:
               f"{f', {accum} batches per update' if accum > 1 else ''})"
               f"{'; R-Drop: each sentence twice in its batch' if copies > 1 else ''}", flush=True)
     val_ds = val_bleu = None
-    if cfg["validation"] and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
-        val_pairs = load_text_pairs(spec, "validation", max_examples=cfg["max_eval_examples"])
+    if settings.validation and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
+        val_pairs = load_text_pairs(spec, "validation", max_examples=settings.max_eval_examples)
         val_ds = make_batches(val_pairs, tokenizer, shuffle=False, copies=copies, **batch_args)
-        if cfg["val_bleu"]:
+        if settings.val_bleu:
             texts = [(s.decode("utf-8"), t.decode("utf-8")) for s, t in val_pairs.as_numpy_iterator()]
-            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer, cfg["max_length"],
-                                      lowercase=cfg["lowercase"])
-    elif cfg["val_bleu"]:
+            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer,
+                                      settings.max_sentence_length,
+                                      lowercase=settings.lowercase)
+    elif settings.val_bleu:
         raise ConfigError("--val-bleu needs validation data (--valid-files with --dataset files; "
                           "not --no-validation)")
 
     previous_policy = keras.mixed_precision.global_policy()
-    policy = set_precision(cfg)
+    policy = set_precision(settings)
     try:
-        return _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-                    train_ds, val_ds, steps, replicas, val_bleu, batch_contents, plan)
+        run = Run(strategy, model_dir, out_dir, is_chief, task_index, num_workers, replicas, vocab_size, policy,
+                  plan, init)
+        return _fit(settings, run, FitData(train_ds, val_ds, steps, val_bleu, batch_contents))
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
-def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, vocab_size, policy,
-         train_ds, val_ds, steps, replicas, val_bleu=None, batch_contents=None, plan=None) -> dict:
-    init = cfg.get("init_from_model")
+def _fit(settings: TrainSettings, run: Run, data: FitData) -> dict:
+    """Builds (or restores) the model under `run.strategy`, fits it on `data` with kt-train's callbacks, and
+    writes config.json and model.keras (the chief)."""
+    strategy, model_dir, out_dir, init = run.strategy, run.model_dir, run.out_dir, run.init
     weights = init_weights(init) if init is not None else None  # read outside the strategy's scope
     with strategy.scope():
-        model = build_and_compile(cfg, vocab_size)
+        model = build_and_compile(settings, run.vocab_size, init=init)
         if weights is not None:
             set_init_weights(model, weights, init)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    batches_extra = {"batch_plan": plan} if plan else {}
-    if batch_contents:
-        batches_extra["batches"] = batch_contents
-    if is_chief:
-        write_config(cfg, model_dir, vocab_size, model, policy, extra=batches_extra)
-    shape = f"preset {cfg['preset']}" + (f" with {json.dumps(cfg['model'])}" if cfg["model"] else "")
+    batches_extra = {"batch_plan": run.plan} if run.plan else {}
+    if data.batch_contents:
+        batches_extra["batches"] = data.batch_contents
+    if run.is_chief:
+        write_config(settings, model_dir, run.vocab_size, model, run.policy, extra=batches_extra)
+    shape = f"preset {settings.preset}" + (f" with {json.dumps(settings.model)}" if settings.model else "")
     strategy_name = "MultiWorkerMirroredStrategy" if multi_worker else type(strategy).__name__.lstrip("_")
-    print(f"[kt-train] {replicas} replica(s) ({strategy_name}, worker {task_index + 1}/{num_workers}), "
-          f"{shape}, vocab {vocab_size}, {model.count_params():,} parameters, policy {policy}",
+    print(f"[kt-train] {run.replicas} replica(s) ({strategy_name}, worker {run.task_index + 1}/{run.num_workers}), "
+          f"{shape}, vocab {run.vocab_size}, {model.count_params():,} parameters, policy {run.policy}",
           flush=True)
 
     backup_dir = out_dir / "backup"
-    backup = ResumableBackup(backup_dir, cfg["backup_every"] or "epoch", num_workers=num_workers)
+    backup = ResumableBackup(backup_dir, settings.backup_every or "epoch", num_workers=run.num_workers)
     initial_val_loss = None
-    if init is not None and val_ds is not None and not backup_dir.exists():
+    if init is not None and data.validation is not None and not backup_dir.exists():
         # Where fine-tuning starts on the new data: the first epoch's val_loss is measured against it.
         with ignoring_ran_out_of_data():
-            initial_val_loss = float(model.evaluate(val_ds, verbose=0, return_dict=True)["loss"])
+            initial_val_loss = float(model.evaluate(data.validation, verbose=0, return_dict=True)["loss"])
         print(f"[kt-train] --init-from {init.model_file}: validation loss {initial_val_loss:.4f} before "
               "fine-tuning (fresh optimizer and learning-rate schedule)", flush=True)
     # ValidationBLEU first: the callbacks after it (history.csv, TensorBoard) see its val_bleu.
-    callbacks = [val_bleu] if val_bleu is not None else []
+    callbacks = [data.val_bleu] if data.val_bleu is not None else []
     callbacks += [
         backup,
-        (UpdateCheckpoint(out_dir / CHECKPOINT_DIR, cfg["checkpoint_every"]) if cfg.get("checkpoint_every") else
+        (UpdateCheckpoint(out_dir / CHECKPOINT_DIR, settings.checkpoint_every) if settings.checkpoint_every else
          keras.callbacks.ModelCheckpoint(str(out_dir / CHECKPOINT_DIR / CHECKPOINT_PATTERN),
                                          save_weights_only=True, save_freq="epoch")),
         keras.callbacks.TensorBoard(log_dir=str(out_dir / "logs")),
         keras.callbacks.TerminateOnNaN(),
         keras.callbacks.CSVLogger(str(out_dir / "history.csv"), append=True),
-        EpochETA(cfg["epochs"], cfg.get("max_minutes"), max_updates=cfg.get("max_updates")),
+        EpochETA(settings.epochs, settings.max_minutes, max_updates=settings.max_updates),
     ]
     updates = None
-    if cfg.get("max_updates"):
-        updates = UpdateBudget(cfg["max_updates"])
+    if settings.max_updates:
+        updates = UpdateBudget(settings.max_updates)
         callbacks.append(updates)
-        if not cfg["epochs"]:
-            callbacks.append(UpdateBoundProgbar(cfg["max_updates"]))
+        if not settings.epochs:
+            callbacks.append(UpdateBoundProgbar(settings.max_updates))
     budget = None
-    if cfg.get("max_minutes"):
-        if num_workers > 1:
+    if settings.max_minutes:
+        if run.num_workers > 1:
             # Each worker would decide on its own clock; one stopping alone would hang the others.
             raise ConfigError("--max-minutes is not supported with more than one worker; set --epochs instead")
-        budget = TimeBudget(cfg["max_minutes"])
+        budget = TimeBudget(settings.max_minutes)
         callbacks.append(budget)
     t0 = time.time()
     with ignoring_ran_out_of_data():
         # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
-        history = model.fit(train_ds, validation_data=val_ds, epochs=cfg["epochs"] or NO_EPOCH_LIMIT,
-                            steps_per_epoch=steps,
-                            callbacks=callbacks, verbose=fit_verbosity(cfg["verbose"]), shuffle=False)
+        history = model.fit(data.train, validation_data=data.validation, epochs=settings.epochs or NO_EPOCH_LIMIT,
+                            steps_per_epoch=data.steps_per_epoch,
+                            callbacks=callbacks, verbose=fit_verbosity(settings.verbose), shuffle=False)
     elapsed = time.time() - t0
     summary = {
         "epochs_run": [e + 1 for e in history.epoch],
@@ -546,7 +578,7 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         "optimizer_steps": int(model.optimizer.iterations.numpy()),
         "final_loss": history.history["loss"][-1] if history.history.get("loss") else None,
         "seconds": round(elapsed, 1),
-        "replicas": replicas,
+        "replicas": run.replicas,
         "stopped_by_time_budget": bool(budget and budget.stopped_after),
         "stopped_by_max_updates": bool(updates and updates.stopped_at),
     }
@@ -558,8 +590,9 @@ def _fit(cfg, strategy, model_dir, out_dir, is_chief, task_index, num_workers, v
         print("[kt-train] stopped: the loss became NaN/inf; model.keras not written "
               "(epoch checkpoints before it are in checkpoints/)", flush=True)
         return summary
-    if is_chief:
+    if run.is_chief:
         model.save(model_dir / MODEL_FILENAME)
-        write_config(cfg, model_dir, vocab_size, model, policy, extra={**batches_extra, "last_run": summary})
+        write_config(settings, model_dir, run.vocab_size, model, run.policy,
+                     extra={**batches_extra, "last_run": summary})
     print("[kt-train] done " + json.dumps(summary), flush=True)
     return summary

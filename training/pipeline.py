@@ -10,39 +10,39 @@ import tensorflow as tf
 
 from keras_transformer.text import PAD_ID
 from common.tokenizer import encode_pair
+from training.config import default
 from training.errors import ConfigError
 
-DEFAULT_TOKENS_PER_BATCH = 4096
-DEFAULT_MAX_LENGTH = 128
 
-
-def bucket_boundaries(max_length: int, min_boundary: int = 8, growth: float = 1.2) -> list[int]:
-    """Exclusive upper bounds of the length buckets (last bucket ends at max_length)."""
+def bucket_boundaries(max_sentence_length: int, min_boundary: int = 8, growth: float = 1.2) -> list[int]:
+    """Exclusive upper bounds of the length buckets (last bucket ends at max_sentence_length)."""
     bounds, b = [], min_boundary
-    while b <= max_length:
+    while b <= max_sentence_length:
         bounds.append(b)
         b = max(b + 4, int(round(b * growth / 4.0)) * 4)
     return bounds
 
 
-def bucket_batch_sizes(boundaries, max_length: int, tokens_per_batch: int, num_replicas: int = 1) -> list[int]:
+def bucket_batch_sizes(boundaries, max_sentence_length: int, tokens_per_batch: int,
+                       num_replicas: int = 1) -> list[int]:
     """Batch size per bucket so that batch_size * longest_in_bucket <= tokens_per_batch,
     rounded down to a multiple of num_replicas (each replica gets the same count)."""
-    longest = [b - 1 for b in boundaries] + [max_length]
-    if tokens_per_batch < max_length * num_replicas:
+    longest = [b - 1 for b in boundaries] + [max_sentence_length]
+    if tokens_per_batch < max_sentence_length * num_replicas:
         raise ConfigError(
-            f"tokens_per_batch={tokens_per_batch} is smaller than max_length*replicas="
-            f"{max_length}*{num_replicas}; raise --tokens-per-batch or lower --max-length.")
+            f"tokens_per_batch={tokens_per_batch} is smaller than max_sentence_length*replicas="
+            f"{max_sentence_length}*{num_replicas}; raise --tokens-per-batch or lower --max-sentence-length.")
     return [max(num_replicas, (tokens_per_batch // n) // num_replicas * num_replicas) for n in longest]
 
 
-def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
-                 tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH, num_replicas: int = 1,
-                 shuffle: bool = True, shuffle_buffer: int = 20_000, seed: int | None = 1234,
+def make_batches(pairs, tokenizer, *, max_sentence_length: int = default("max_sentence_length"),
+                 tokens_per_batch: int = default("tokens_per_batch"), num_replicas: int = 1,
+                 shuffle: bool = True, shuffle_buffer: int = default("shuffle_buffer"),
+                 seed: int | None = default("seed"),
                  repeat: bool = False, pad_to_bucket_boundary: bool = False, copies: int = 1):
     """Turns a dataset of `(source_text, target_text)` into padded, length-bucketed batches.
 
-    Pairs whose source or target_in would be longer than `max_length` are dropped.
+    Pairs whose source or target_in would be longer than `max_sentence_length` are dropped.
     The budget holds for padded tokens on each side: batch * padded_len <= tokens_per_batch.
     Yields `((source, target_in), target_out)`, as `model.fit` takes them.
     `pad_to_bucket_boundary` pads every batch to its bucket's longest length, so
@@ -58,13 +58,14 @@ def make_batches(pairs, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH,
     if shuffle:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     ds = ds.map(lambda source, target: encode_pair(tokenizer, source, target), num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.filter(lambda s, ti, to: tf.logical_and(tf.shape(s)[0] <= max_length, tf.shape(ti)[0] <= max_length))
-    bounds = bucket_boundaries(max_length)
-    sizes = bucket_batch_sizes(bounds, max_length, tokens_per_batch, num_replicas)
+    ds = ds.filter(lambda s, ti, to: tf.logical_and(tf.shape(s)[0] <= max_sentence_length,
+                                                    tf.shape(ti)[0] <= max_sentence_length))
+    bounds = bucket_boundaries(max_sentence_length)
+    sizes = bucket_batch_sizes(bounds, max_sentence_length, tokens_per_batch, num_replicas)
     if pad_to_bucket_boundary:
         # Padding to boundary - 1 needs every length below the last boundary, and lengths reach
-        # max_length, which no boundary exceeds (there is none at all below 8).
-        bounds, sizes = bounds + [max_length + 1], sizes + [sizes[-1]]
+        # max_sentence_length, which no boundary exceeds (there is none at all below 8).
+        bounds, sizes = bounds + [max_sentence_length + 1], sizes + [sizes[-1]]
     ds = ds.bucket_by_sequence_length(
         element_length_func=lambda s, ti, to: tf.maximum(tf.shape(s)[0], tf.shape(ti)[0]),
         bucket_boundaries=bounds,

@@ -35,7 +35,7 @@ quiet_import_for_commands(__name__)
 import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
-from common.run_dir import read_config  # noqa: E402
+from common.run_dir import max_source_length, read_config  # noqa: E402
 from export.translator import load_model_dir  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID  # noqa: E402
 from common.tokenizer import decode_output, encode_source  # noqa: E402
@@ -172,8 +172,8 @@ def translate_with_attention(model, tokenizer, config, text, max_output_length=N
     produced output piece t (the end piece included). `weights` is
     `Transformer.attention_scores` for the one sentence (batch of 1).
     """
-    source = encode_source(tokenizer, tf.constant([text]), config.get("max_length")).to_tensor(PAD_ID)
-    tokens, _ = kt.greedy_decode(model, source, START_ID, END_ID, max_length=max_output_length)
+    source = encode_source(tokenizer, tf.constant([text]), max_source_length(config)).to_tensor(PAD_ID)
+    tokens, _ = kt.greedy_decode(model, source, START_ID, END_ID, max_output_length=max_output_length)
     output = [t for t in tokens[0].numpy().tolist() if t != PAD_ID]
     if END_ID in output:
         output = output[: output.index(END_ID) + 1]

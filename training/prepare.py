@@ -38,8 +38,9 @@ quiet_import_for_commands(__name__)
 import numpy as np  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 
-from keras_transformer.text import (VOCAB_TYPES, check_special_ids, lowercases, read_tokenizer_proto,  # noqa: E402
+from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto,  # noqa: E402
                                    train_sentencepiece, vocab_size_of)
+from training.config import add_setting_flags, default  # noqa: E402
 from training.errors import ConfigError, DataError  # noqa: E402
 from training.prepared import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME, file_sha256,  # noqa: E402
                                write_json_atomically)
@@ -48,8 +49,6 @@ from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chu
 VOCABULARY_RECORD = "vocabulary.json"  # the vocabulary's request, written after tokenizer.model: it is complete
 SCATTER_DIR = ".scatter"
 DEFAULT_SHARDS = 64
-DEFAULT_VOCAB_SIZE = 8000
-DEFAULT_VOCAB_SAMPLE = 2_000_000
 
 
 def _corpus_request(corpus: dict) -> dict:
@@ -319,25 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="raw Multi30k directory, for --tfds multi30k")
     p.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets")
     p.add_argument("--tokenizer", help="an existing sentencepiece .model instead of training one")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                   help=f"joint subword vocabulary size (default {DEFAULT_VOCAB_SIZE})")
-    p.add_argument("--vocab-type", choices=VOCAB_TYPES, default=VOCAB_TYPES[0],
-                   help="sentencepiece's model: unigram (default) or bpe (byte-pair encoding, the paper's)")
-    p.add_argument("--vocab-sample", type=int, default=DEFAULT_VOCAB_SAMPLE, metavar="LINES",
-                   help="train the vocabulary on a uniform random sample of this many lines of all the corpora, "
-                   f"both sides (default {DEFAULT_VOCAB_SAMPLE:,}); its memory and time grow with it")
-    p.add_argument("--lowercase", action="store_true", help="a case-folding vocabulary (as kt-train's)")
+    # The vocabulary's settings are kt-train's (training.config.TrainSettings): the same flags, help and defaults.
+    add_setting_flags(p, ("vocab_size", "vocab_type", "vocab_sample", "lowercase"), with_defaults=True)
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                    help=f"token-id shards to write (default {DEFAULT_SHARDS}); at least the number of workers "
                    "that will train on them, several each; a worker holds one shard, or a pool of "
                    "small ones, at a time")
     p.add_argument("--no-alignment-check", dest="check_alignment", action="store_false",
                    help="prepare --train-files even where their pairs look shifted by a line")
-    p.add_argument("--seed", type=int, default=1234, help="seeds the vocabulary's sample and the shuffle")
+    p.add_argument("--seed", type=int, default=default("seed"),
+                   help=f"seeds the vocabulary's sample and the shuffle (default: {default('seed')})")
     return p
 
 
-# kt-train settings (training.config.DEFAULTS' keys) that are kt-prepare's too.
+# kt-train settings (training.config.TrainSettings' fields) that are kt-prepare's too.
 CONFIG_KEYS = ("vocab_size", "vocab_type", "vocab_sample", "lowercase", "seed")
 
 
@@ -347,10 +341,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.config:
         try:
-            settings = json.loads(Path(args.config).read_text())
+            recipe = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"--config {args.config}: {e}") from None
-        parser.set_defaults(**{k: settings[k] for k in CONFIG_KEYS if settings.get(k) is not None})
+        parser.set_defaults(**{k: recipe[k] for k in CONFIG_KEYS if recipe.get(k) is not None})
         args = parser.parse_args(argv)
     return args
 

@@ -154,22 +154,22 @@ def worker_shards(num_shards: int, worker: int, num_workers: int) -> list[int]:
     return list(range(worker, num_shards, num_workers))
 
 
-def bucket_plan(max_length: int, tokens_per_replica: int, pad_to_bucket_boundary: bool = False):
+def bucket_plan(max_sentence_length: int, tokens_per_replica: int, pad_to_bucket_boundary: bool = False):
     """(bucket boundaries, pairs per batch in each bucket, padded width of each bucket or None)."""
-    bounds = bucket_boundaries(max_length)
-    sizes = bucket_batch_sizes(bounds, max_length, tokens_per_replica, 1)
-    widths = [b - 1 for b in bounds] + [max_length] if pad_to_bucket_boundary else None
+    bounds = bucket_boundaries(max_sentence_length)
+    sizes = bucket_batch_sizes(bounds, max_sentence_length, tokens_per_replica, 1)
+    widths = [b - 1 for b in bounds] + [max_sentence_length] if pad_to_bucket_boundary else None
     return np.asarray(bounds), np.asarray(sizes), widths
 
 
-def steps_per_epoch(corpus: PreparedCorpus, *, max_length: int, tokens_per_replica: int,
+def steps_per_epoch(corpus: PreparedCorpus, *, max_sentence_length: int, tokens_per_replica: int,
                     replicas: int) -> int:
     """Updates' worth of batches (one per replica) in one pass over the corpus: the manifest's length histogram
     cut into each bucket's batches, over all replicas. The same on every worker."""
-    bounds, sizes, _ = bucket_plan(max_length, tokens_per_replica)
+    bounds, sizes, _ = bucket_plan(max_sentence_length, tokens_per_replica)
     lengths = np.asarray(corpus.manifest["length_histogram"], np.int64)  # [i]: pairs whose longer side is i
-    keys = np.arange(len(lengths))[: max_length + 1]
-    counts = np.bincount(np.searchsorted(bounds, keys, side="right"), weights=lengths[: max_length + 1],
+    keys = np.arange(len(lengths))[: max_sentence_length + 1]
+    counts = np.bincount(np.searchsorted(bounds, keys, side="right"), weights=lengths[: max_sentence_length + 1],
                          minlength=len(sizes))
     batches = int(np.ceil(counts / sizes).sum())
     return max(1, batches // replicas)
@@ -219,12 +219,12 @@ def make_batch(pool: _Pool, rows: np.ndarray, width: int | None = None, copies: 
     return (source, target_in), target_out
 
 
-def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_length: int, tokens_per_replica: int):
-    """The row indices of each batch of `pool`, in a random order; pairs longer than `max_length` (either side,
-    with its start or end id) left out."""
-    bounds, sizes, _ = bucket_plan(max_length, tokens_per_replica)
+def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_sentence_length: int, tokens_per_replica: int):
+    """The row indices of each batch of `pool`, in a random order; pairs longer than `max_sentence_length` (either
+    side, with its start or end id) left out."""
+    bounds, sizes, _ = bucket_plan(max_sentence_length, tokens_per_replica)
     keys = np.maximum(pool.source_lengths, pool.target_lengths) + 1
-    kept = np.flatnonzero(keys <= max_length)
+    kept = np.flatnonzero(keys <= max_sentence_length)
     kept = kept[rng.permutation(len(kept))]
     bucket = np.searchsorted(bounds, keys[kept], side="right")
     order = np.argsort(bucket, kind="stable")  # random within each bucket
@@ -238,13 +238,14 @@ def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_length: int, toke
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def stream_batches(corpus: PreparedCorpus, shards: list[int], *, max_length: int, tokens_per_replica: int,
-                   seed: int, start: int = 0, pad_to_bucket_boundary: bool = False, copies: int = 1,
+def stream_batches(corpus: PreparedCorpus, shards: list[int], *, max_sentence_length: int,
+                   tokens_per_replica: int, seed: int, start: int = 0, pad_to_bucket_boundary: bool = False,
+                   copies: int = 1,
                    pool_pairs: int = POOL_PAIRS, epochs: int | None = None):
     """Yields `((source, target_in), target_out)` numpy batches from `shards`, epoch after epoch (or `epochs`),
     each epoch in a new order drawn from `seed` and `start` (kt-train's: the update a run resumes from, so
     that a resumed run does not see its first epochs' order again)."""
-    _, _, widths = bucket_plan(max_length, tokens_per_replica, pad_to_bucket_boundary)
+    _, _, widths = bucket_plan(max_sentence_length, tokens_per_replica, pad_to_bucket_boundary)
     epoch = 0
     while epochs is None or epoch < epochs:
         rng = np.random.default_rng([seed, start, epoch])
@@ -256,7 +257,7 @@ def stream_batches(corpus: PreparedCorpus, shards: list[int], *, max_length: int
                 pairs += len(loaded[-1]["source_lengths"])
             pool = _Pool(loaded)
             del loaded
-            for bucket, rows in pool_batches(pool, rng, max_length=max_length,
+            for bucket, rows in pool_batches(pool, rng, max_sentence_length=max_sentence_length,
                                              tokens_per_replica=tokens_per_replica):
                 yield make_batch(pool, rows, widths[bucket] if widths else None, copies)
         epoch += 1

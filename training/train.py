@@ -23,7 +23,7 @@ os.environ.setdefault(ONEDNN_ENV, "1")
 # Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (common/native_logs.py).
 quiet_import_for_commands(__name__)
 
-from training.config import resolve_config  # noqa: E402
+from training.config import resolve_settings  # noqa: E402
 from training.errors import BackupError, ConfigError, DataError  # noqa: E402
 from training.fit import train  # noqa: E402
 
@@ -36,9 +36,9 @@ def main(argv=None) -> int:
     # and TFDS' absl lines ("Load dataset info", ...).
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = resolve_config(argv)
+    settings = resolve_settings(argv)
     try:
-        summary = train(cfg)
+        summary = train(settings)
     except (DataError, ConfigError, BackupError) as e:
         print(f"kt-train: error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ def test_attention_cache_equals_full_causal_pass():
     x = rng.normal(size=(2, 6, 16)).astype("float32")
     mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
     full = to_numpy(mha(x, x, use_causal_mask=True))
-    cache = mha.empty_cache(batch_size=2, max_length=6)
+    cache = mha.empty_cache(batch_size=2, cache_length=6)
     for t in range(6):
         step, cache = mha(x[:, t : t + 1], x[:, t : t + 1], cache=cache, cache_index=t)
         np.testing.assert_allclose(to_numpy(step)[:, 0], full[:, t], atol=1e-5)
@@ -42,7 +42,7 @@ def test_a_growing_cache_equals_the_full_causal_pass():
     x = rng.normal(size=(2, 6, 16)).astype("float32")
     mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
     full = to_numpy(mha(x, x, use_causal_mask=True))
-    cache, growing = mha.empty_cache(batch_size=2, max_length=0), AttentionOps(growing_cache=True)
+    cache, growing = mha.empty_cache(batch_size=2, cache_length=0), AttentionOps(growing_cache=True)
     for start, stop in [(0, 1), (1, 3), (3, 4), (4, 6)]:
         part = x[:, start:stop]
         out, cache = mha(part, part, cache=cache, cache_index=start, attention_ops=growing)
@@ -66,7 +66,7 @@ def test_a_cached_self_attention_call_projects_through_its_attention_ops():
     x = rng.normal(size=(2, 4, 16)).astype("float32")
     mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
     full = to_numpy(mha(x, x, use_causal_mask=True))
-    cache, ops = mha.empty_cache(batch_size=2, max_length=0), OneMatmulEach(growing_cache=True)
+    cache, ops = mha.empty_cache(batch_size=2, cache_length=0), OneMatmulEach(growing_cache=True)
     for t in range(4):
         x_t = keras.ops.convert_to_tensor(x[:, t : t + 1])  # one tensor as query, key and value: self-attention
         out, cache = mha(x_t, x_t, cache=cache, cache_index=t, attention_ops=ops)
@@ -95,8 +95,8 @@ def test_rows_read_their_group_entry_of_a_cross_attention_cache():
 def _step_by_step_logits(model, source, target, attention_ops=None):
     encoder_output = model.encode(source)
     mask = kt.padding_mask(source)
-    max_length = 0 if attention_ops and attention_ops.growing_cache else target.shape[1]
-    cache = model.init_decoding_cache(encoder_output, max_length=max_length)
+    cache_length = 0 if attention_ops and attention_ops.growing_cache else target.shape[1]
+    cache = model.init_decoding_cache(encoder_output, cache_length=cache_length)
     steps = []
     for t in range(target.shape[1]):
         logits, cache = model.decode_step(target[:, t], t, encoder_output, mask, cache, attention_ops=attention_ops)
@@ -129,7 +129,7 @@ def test_incremental_decoding_equals_full_pass_pre_norm_separate_vocab():
 
 def test_decoding_works_on_a_model_never_called():
     model = kt.Transformer.from_preset("tiny", vocab_size=20)
-    tokens, scores = kt.greedy_decode(model, np.array([[5, 6, 3]], "int32"), start_id=2, end_id=3, max_length=4)
+    tokens, scores = kt.greedy_decode(model, np.array([[5, 6, 3]], "int32"), start_id=2, end_id=3, max_output_length=4)
     assert tokens.shape[0] == 1 and scores.shape == (1,)
 
 
@@ -141,7 +141,7 @@ def test_a_whole_prompt_then_steps_fill_the_buffer_like_the_full_pass():
     mha = kt.MultiHeadAttention(num_heads=4, key_dim=4)
     full = to_numpy(mha(x, x, use_causal_mask=True))
     step = jit(lambda q, cache, t: mha(q, q, cache=cache, cache_index=t))
-    cache = mha.empty_cache(batch_size=2, max_length=9)  # two slots more than written: never read
+    cache = mha.empty_cache(batch_size=2, cache_length=9)  # two slots more than written: never read
     prompt, cache = mha(x[:, :4], x[:, :4], cache=cache, cache_index=0)
     np.testing.assert_allclose(to_numpy(prompt), full[:, :4], atol=1e-5)
     for t in range(4, 7):

@@ -159,7 +159,7 @@ def test_cached_steps_equal_the_full_pass(norm_first):
     embedding, decoder, projection = gpt_layers(model)
     ids = random_ids(np.random.default_rng(3), 3, 8)
     full = to_numpy(model(ids))
-    cache = decoder.empty_cache(batch_size=3, max_length=8)
+    cache = decoder.empty_cache(batch_size=3, cache_length=8)
     steps, start = [], 0
     for size in (3, 1, 1, 2, 1):
         x = embedding(ids[:, start : start + size], start_index=start)

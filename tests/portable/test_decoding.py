@@ -20,9 +20,9 @@ def test_cached_greedy_equals_uncached_greedy(seed, vocab):
     model = random_model(seed, vocab)
     source = random_ids(np.random.default_rng(seed), 4, 6, high=24)
     source[1, 3:] = 0
-    tokens, _ = jit(lambda s: kt.greedy_decode(model, s, START, END, max_length=12))(source)
+    tokens, _ = jit(lambda s: kt.greedy_decode(model, s, START, END, max_output_length=12))(source)
     tokens = to_numpy(tokens)
-    expected = uncached_greedy(model, source, max_length=12)
+    expected = uncached_greedy(model, source, max_output_length=12)
     np.testing.assert_array_equal(tokens[:, : expected.shape[1]], expected)
     assert (tokens[:, expected.shape[1] :] == 0).all()
 
@@ -177,15 +177,35 @@ def test_default_limit_is_source_length_plus_50():
 
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end."""
-    model = never_ending_model(learned_positions=True, max_length=12)
+    model = never_ending_model(learned_positions=True, max_positions=12)
     source = sources_of_2_and_6_tokens()
     for decode in (kt.greedy_decode, kt.beam_search):
         tokens = to_numpy(jit(lambda s: decode(model, s, START, END))(source)[0])
         assert list((tokens != 0).sum(axis=1)) == [12, 12]
         assert (tokens[:, 11] == END).all()
     # An explicit limit past the table is capped too; one within it is kept.
-    assert tuple(kt.greedy_decode(model, source, START, END, max_length=30)[0].shape) == (2, 12)
-    assert tuple(kt.greedy_decode(model, source, START, END, max_length=5)[0].shape) == (2, 5)
+    assert tuple(kt.greedy_decode(model, source, START, END, max_output_length=30)[0].shape) == (2, 12)
+    assert tuple(kt.greedy_decode(model, source, START, END, max_output_length=5)[0].shape) == (2, 5)
+
+
+def test_the_searches_take_their_old_max_length_argument_as_max_output_length_with_a_deprecation_warning():
+    model = never_ending_model()  # every output runs to the limit
+    source = sources_of_2_and_6_tokens()
+    expected = to_numpy(kt.greedy_decode(model, source, START, END, max_output_length=5)[0])
+    with pytest.warns(DeprecationWarning,
+                      match=r"^greedy_decode\(max_length=\.\.\.\) is now greedy_decode\(max_output_length=") as caught:
+        tokens = to_numpy(kt.greedy_decode(model, source, START, END, max_length=5)[0])
+    # The warning points at the call that used the old name.
+    assert [w.filename for w in caught if "max_length" in str(w.message)] == [__file__]
+    assert tokens.shape == (2, 5)
+    np.testing.assert_array_equal(tokens, expected)
+    for search in (kt.sample_decode, kt.beam_search):
+        with pytest.warns(DeprecationWarning, match=rf"^{search.__name__}\(max_length=\.\.\.\) is now "):
+            assert to_numpy(search(model, source, START, END, max_length=2)[0]).shape == (2, 2)
+    with pytest.raises(ValueError, match="got max_output_length=5 and max_length=5: max_length is max_output_length's"):
+        kt.greedy_decode(model, source, START, END, max_output_length=5, max_length=5)
+    with pytest.raises(TypeError, match=r"beam_search\(\) got an unexpected keyword argument 'max_len'"):
+        kt.beam_search(model, source, START, END, max_len=5)
 
 
 def test_empty_batch_and_bad_rank():

@@ -40,15 +40,15 @@ def test_float_ids_are_cast_like_keras_embedding_does(tiny_model):
     np.testing.assert_array_equal(to_numpy(as_float), to_numpy(as_int))
 
 
-def test_learned_positions_need_max_length():
-    with pytest.raises(ValueError, match="max_length"):
+def test_learned_positions_need_max_positions():
+    with pytest.raises(ValueError, match="needs max_positions"):
         kt.PositionalEmbedding(10, 8, learned_positions=True)
 
 
-def test_positions_past_a_learned_table_name_max_length():
-    """Past the table a gather fails obscurely on CPU (and returns zeros on GPU); the error names max_length."""
-    model = kt.Transformer.from_preset("tiny", vocab_size=10, learned_positions=True, max_length=8)
-    message = r"max_length=8\).*start_index \+ length =\D*9"
+def test_positions_past_a_learned_table_name_max_positions():
+    """Past the table a gather fails obscurely on CPU (and returns zeros on GPU); the error names max_positions."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=10, learned_positions=True, max_positions=8)
+    message = r"max_positions=8\).*needs max_positions >= start_index \+ length =\D*9"
     with pytest.raises(ValueError, match=message):
         model.encode(np.ones((2, 9), "int32"))
     with pytest.raises(ValueError, match=message):

@@ -32,7 +32,7 @@ def test_embedding_is_scaled_tokens_plus_encoding():
 
 
 def test_learned_positions_add_a_table():
-    layer = kt.PositionalEmbedding(vocab_size=10, d_model=8, learned_positions=True, max_length=16)
+    layer = kt.PositionalEmbedding(vocab_size=10, d_model=8, learned_positions=True, max_positions=16)
     ids = np.array([[3, 4, 5]])
     out = to_numpy(layer(ids))
     tokens = layer.token_embedding.embeddings.numpy()[ids[0]] * math.sqrt(8)

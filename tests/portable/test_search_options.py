@@ -81,7 +81,7 @@ def test_sampled_first_tokens_follow_the_models_softmax(temperature, top_k):
     model = random_model(3, vocab=24)
     source = np.repeat(np.array([[5, 9, 12, 7, END]], "int32"), 4000, axis=0)
     tokens, _ = jit(lambda s: kt.sample_decode(model, s, START, END, seed=np.arange(4000), temperature=temperature,
-                                               top_k=top_k, max_length=2))(source)
+                                               top_k=top_k, max_output_length=2))(source)
     first = to_numpy(tokens)[:, 0]
     log_probs = to_numpy(ops.log_softmax(model((source[:1], np.array([[START]], "int32")))[0, 0]))
     log_probs[0] = -np.inf  # padding
@@ -136,7 +136,7 @@ def test_a_prefix_is_honoured_scored_and_an_empty_one_changes_nothing(copy_model
         np.testing.assert_allclose(to_numpy(empty_scores), plain_scores, rtol=1e-6)
     # The length limit comes first: a 3-token prefix with room for 2 tokens gives its first token, then the end.
     decode = kt.greedy_decode if decode == "greedy" else kt.beam_search
-    cut = to_numpy(decode(copy_model, source[:2], START, END, max_length=2, prefix_ids=np.array([[5, 6, 7]] * 2))[0])
+    cut = to_numpy(decode(copy_model, source[:2], START, END, max_output_length=2, prefix_ids=np.array([[5, 6, 7]] * 2))[0])
     np.testing.assert_array_equal(cut, [[5, END], [5, END]])
 
 
@@ -154,9 +154,9 @@ def test_no_repeat_ngram_size_leaves_no_repeated_ngram(n):
     model = never_ending_model()
     source = copy_sources(13, 4)
     for decode in (kt.greedy_decode, lambda *a, **k: kt.beam_search(*a, beam_size=3, **k)):
-        looping = to_numpy(jit(lambda s: decode(model, s, START, END, max_length=24))(source)[0])
+        looping = to_numpy(jit(lambda s: decode(model, s, START, END, max_output_length=24))(source)[0])
         assert any(len(set(ngrams(row, n))) < len(ngrams(row, n)) for row in looping)  # the test can fail
-        banned = to_numpy(jit(lambda s: decode(model, s, START, END, max_length=24, no_repeat_ngram_size=n))(
+        banned = to_numpy(jit(lambda s: decode(model, s, START, END, max_output_length=24, no_repeat_ngram_size=n))(
             source)[0])
         for row in banned:
             grams = ngrams(row, n)

@@ -1,5 +1,9 @@
 """Every class round-trips through get_config and .keras files, inside users' own models."""
 
+import json
+import warnings
+import zipfile
+
 import keras
 import numpy as np
 import pytest
@@ -51,7 +55,7 @@ def test_compiled_transformer_reloads_with_loss_metric_and_schedule(tmp_path, ti
 LAYERS = [
     (kt.MultiHeadAttention, dict(num_heads=2, key_dim=8)),
     (kt.PositionalEmbedding, dict(vocab_size=VOCAB, d_model=D_MODEL, dropout=0.2)),
-    (kt.PositionalEmbedding, dict(vocab_size=VOCAB, d_model=D_MODEL, learned_positions=True, max_length=9)),
+    (kt.PositionalEmbedding, dict(vocab_size=VOCAB, d_model=D_MODEL, learned_positions=True, max_positions=9)),
     (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF)),
     (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF, dropout=0.2)),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3, norm_first=True)),
@@ -97,3 +101,71 @@ def test_build_creates_every_weight_before_the_first_call():
     count = len(model.weights)
     model((np.ones((1, 3), "int32"), np.ones((1, 2), "int32")))
     assert len(model.weights) == count
+
+
+def test_transformer_takes_its_old_max_length_argument_as_max_positions_with_a_deprecation_warning():
+    tiny = dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], learned_positions=True)
+    message = r"^Transformer\(max_length=\.\.\.\) is now Transformer\(max_positions=\.\.\.\) \(read as such\)$"
+    with pytest.warns(DeprecationWarning, match=message) as caught:
+        old = kt.Transformer(**tiny, max_length=8)
+    # The warning points at the call that used the old name.
+    assert [w.filename for w in caught if "max_length" in str(w.message)] == [__file__]
+    assert old.max_positions == old.target_embedding.max_positions == 8
+    assert old.get_config()["max_positions"] == 8 and "max_length" not in old.get_config()
+    with pytest.raises(ValueError, match="got max_positions=8 and max_length=8: max_length is max_positions's old"):
+        kt.Transformer(**tiny, max_positions=8, max_length=8)
+    message = r"^PositionalEmbedding\(max_length=\.\.\.\) is now PositionalEmbedding\(max_positions=\.\.\.\)"
+    with pytest.warns(DeprecationWarning, match=message):
+        layer = kt.PositionalEmbedding(VOCAB, D_MODEL, learned_positions=True, max_length=9)
+    assert layer.max_positions == 9 and "max_length" not in layer.get_config()
+    with pytest.raises(ValueError, match="max_length is max_positions's old name, give max_positions only"):
+        kt.PositionalEmbedding(VOCAB, D_MODEL, learned_positions=True, max_positions=9, max_length=9)
+
+
+def _no_max_length_warning(load):
+    """`load()`, asserting it warned of no max_length (a saved file is not the caller's to fix)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load()
+    assert [str(w.message) for w in caught if "max_length" in str(w.message)] == []
+    return loaded
+
+
+def test_a_config_saved_with_max_length_loads_as_max_positions():
+    # What a configuration written before the rename holds (config.json's "model_config" too): "max_length".
+    new = kt.Transformer(vocab_size=VOCAB, **kt.PRESETS["tiny"], learned_positions=True, max_positions=8).get_config()
+    old = {**{k: v for k, v in new.items() if k != "max_positions"}, "max_length": 8}
+    loaded = _no_max_length_warning(lambda: kt.Transformer.from_config(old))
+    assert loaded.max_positions == loaded.target_embedding.max_positions == 8
+    assert loaded.get_config() == new  # saved again, it writes max_positions
+    # An old configuration merged with new overrides: a None of either name gives way to the other.
+    for merged in ({**old, "max_positions": None}, {**old, "max_length": None, "max_positions": 8}):
+        assert _no_max_length_warning(lambda: kt.Transformer.from_config(merged)).max_positions == 8
+    with pytest.raises(ValueError, match="got max_positions=16 and max_length=8"):
+        kt.Transformer.from_config({**old, "max_positions": 16})
+    layer = kt.PositionalEmbedding(VOCAB, D_MODEL, learned_positions=True, max_positions=9).get_config()
+    old_layer = {**{k: v for k, v in layer.items() if k != "max_positions"}, "max_length": 9}
+    serialized = keras.saving.serialize_keras_object(kt.PositionalEmbedding(VOCAB, D_MODEL))
+    loaded = _no_max_length_warning(lambda: keras.saving.deserialize_keras_object({**serialized,
+                                                                                    "config": old_layer}))
+    assert loaded.max_positions == 9 and loaded.get_config() == layer
+
+
+def test_a_keras_file_saved_with_max_length_loads_as_max_positions(tmp_path):
+    model = kt.Transformer.from_preset("tiny", vocab_size=VOCAB, learned_positions=True, max_positions=8)
+    rng = np.random.default_rng(3)
+    inputs = (random_ids(rng, 2, 6), random_ids(rng, 2, 5))
+    expected = to_numpy(model(inputs))
+    path = tmp_path / "old.keras"
+    model.save(path)
+    with zipfile.ZipFile(path) as z:  # rewritten as the file was before the rename
+        members = {name: z.read(name) for name in z.namelist()}
+    config = json.loads(members["config.json"])
+    config["config"]["max_length"] = config["config"].pop("max_positions")
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    loaded = _no_max_length_warning(lambda: keras.models.load_model(path))
+    assert loaded.max_positions == 8
+    np.testing.assert_allclose(to_numpy(loaded(inputs)), expected, atol=1e-6)
