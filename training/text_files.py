@@ -87,18 +87,24 @@ def read_text_lines(path) -> tuple[list[str], bool]:
     bom = data.startswith(codecs.BOM_UTF8)
     if bom:
         data = data[len(codecs.BOM_UTF8):]
+    return split_lines(_decode_text(data, path)), bom
+
+
+def _decode_text(data: bytes, path, lines_before: int = 0) -> str:
+    """`data` (lines of `path` after its first `lines_before`) as UTF-8 text; a `DataError` naming the file, the
+    line and the byte where it is not UTF-8 or holds a NUL byte (UTF-16 read as bytes)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line, column = _line_and_column(data, e.start)
-        raise DataError(f"{path}, line {line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte {column} of the "
-                        f"line); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
+        raise DataError(f"{path}, line {lines_before + line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                        f"{column} of the line); convert the file to UTF-8, e.g. iconv -f LATIN1 -t UTF-8") from None
     nul = data.find(b"\x00")
     if nul >= 0:
         line, column = _line_and_column(data, nul)
-        raise DataError(f"{path}, line {line}: a NUL byte at byte {column} of the line; is this a text file "
-                        f"(UTF-16 without a byte-order mark is read so)?")
-    return split_lines(text), bom
+        raise DataError(f"{path}, line {lines_before + line}: a NUL byte at byte {column} of the line; is this a "
+                        f"text file (UTF-16 without a byte-order mark is read so)?")
+    return text
 
 
 def _lone_carriage_returns(lines) -> int:
@@ -197,8 +203,17 @@ def read_parallel_files(source_path, target_path, *, check_shift: bool = True
     if stats.byte_order_marks_removed:
         log.warning("Removed the UTF-8 byte-order mark at the start of %s.",
                     " and of ".join(str(p) for p, bom in ((source_path, src_bom), (target_path, tgt_bom)) if bom))
+    out_src, out_tgt = _drop_empty_pairs(src, tgt, stats, first_line=1)
+    stats.kept = len(out_src)
+    _report_empty_pairs(stats, source_path, target_path)
+    return out_src, out_tgt, stats
+
+
+def _drop_empty_pairs(src, tgt, stats: ReadStats, first_line: int) -> tuple[list[str], list[str]]:
+    """The pairs of `src` and `tgt` (lines `first_line`, ... of their files) with text on both sides; each pair
+    dropped is counted in `stats` (its line number among the first 20)."""
     out_src, out_tgt = [], []
-    for i, (s, t) in enumerate(zip(src, tgt), start=1):
+    for i, (s, t) in enumerate(zip(src, tgt), start=first_line):
         if not s.strip() or not t.strip():
             stats.empty_skipped += 1
             if len(stats.empty_line_numbers) < 20:
@@ -206,16 +221,16 @@ def read_parallel_files(source_path, target_path, *, check_shift: bool = True
             continue
         out_src.append(s)
         out_tgt.append(t)
-    stats.kept = len(out_src)
+    return out_src, out_tgt
+
+
+def _report_empty_pairs(stats: ReadStats, source_path, target_path) -> None:
+    """Warns of the empty pairs skipped, with their first line numbers; a `DataError` when no pair is left."""
     if stats.empty_skipped:
-        log.warning(
-            "Skipped %d empty line pair(s) in %s / %s (line numbers, first 20: %s); kept %d of %d.",
-            stats.empty_skipped, source_path, target_path, stats.empty_line_numbers,
-            stats.kept, stats.lines,
-        )
+        log.warning("Skipped %d empty line pair(s) in %s / %s (line numbers, first 20: %s); kept %d of %d.",
+                    stats.empty_skipped, source_path, target_path, stats.empty_line_numbers, stats.kept, stats.lines)
     if stats.kept == 0:
         raise DataError(f"No non-empty line pairs in {source_path} / {target_path}.")
-    return out_src, out_tgt, stats
 
 
 # Lines a streamed corpus is read in at a time (`iter_parallel_chunks`).
@@ -253,19 +268,7 @@ def iter_text_chunks(path, chunk_lines: int = STREAM_CHUNK_LINES):
                     if data.startswith(codecs.BOM_UTF8):
                         data = data[len(codecs.BOM_UTF8):]
                         log.warning("Removed the UTF-8 byte-order mark at the start of %s.", path)
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    line, column = _line_and_column(data, e.start)
-                    raise DataError(f"{path}, line {offset + line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte "
-                                    f"{column} of the line); convert the file to UTF-8, e.g. iconv -f LATIN1 -t "
-                                    f"UTF-8") from None
-                nul = data.find(b"\x00")
-                if nul >= 0:
-                    line, column = _line_and_column(data, nul)
-                    raise DataError(f"{path}, line {offset + line}: a NUL byte at byte {column} of the line; is "
-                                    f"this a text file (UTF-16 without a byte-order mark is read so)?")
-                lines = split_lines(text)
+                lines = split_lines(_decode_text(data, path, lines_before=offset))
                 offset += len(lines)
                 yield lines
     except (OSError, EOFError, zlib.error) as e:
@@ -302,15 +305,7 @@ def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
         if check_shift:
             lengths[0].append(np.fromiter((len(s) for s in src), np.int32, len(src)))
             lengths[1].append(np.fromiter((len(t) for t in tgt), np.int32, len(tgt)))
-        out_src, out_tgt = [], []
-        for i, (s, t) in enumerate(zip(src, tgt), start=stats.lines + 1):
-            if not s.strip() or not t.strip():
-                stats.empty_skipped += 1
-                if len(stats.empty_line_numbers) < 20:
-                    stats.empty_line_numbers.append(i)
-                continue
-            out_src.append(s)
-            out_tgt.append(t)
+        out_src, out_tgt = _drop_empty_pairs(src, tgt, stats, first_line=stats.lines + 1)
         stats.lines += len(src)
         stats.kept += len(out_src)
         if out_src:
@@ -322,8 +317,4 @@ def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
             f"lines. The two files must be line-aligned translations.")
     if check_shift and lengths[0]:
         check_alignment_of_lengths(np.concatenate(lengths[0]), np.concatenate(lengths[1]), source_path, target_path)
-    if stats.empty_skipped:
-        log.warning("Skipped %d empty line pair(s) in %s / %s (line numbers, first 20: %s); kept %d of %d.",
-                    stats.empty_skipped, source_path, target_path, stats.empty_line_numbers, stats.kept, stats.lines)
-    if stats.kept == 0:
-        raise DataError(f"No non-empty line pairs in {source_path} / {target_path}.")
+    _report_empty_pairs(stats, source_path, target_path)
