@@ -23,13 +23,13 @@ reports the same quantity so the two compare.
 """
 
 import contextlib
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import keras
 from keras import ops
 
 from keras_transformer.masking import PAD_ID, padding_mask
+from keras_transformer.renamed import renamed_argument
 from keras_transformer.strategies import Beam, Greedy, Sampling, check_options, length_penalty
 
 __all__ = ["EXTRA_OUTPUT_LENGTH", "NextLogits", "Prepared", "Sampling", "beam_search", "cached_decoder",
@@ -64,14 +64,9 @@ def renamed_max_output_length(function, max_output_length, kwargs):
     arguments `kwargs`, with a one-line `DeprecationWarning`; both given: a ValueError naming both; any other
     keyword: a TypeError. `function` is the search's name, for the messages. The library's searches and the
     serving engine's (`export.search`) take their old keyword through it."""
-    if "max_length" in kwargs:
-        max_length = kwargs.pop("max_length")
-        if max_output_length is not None:
-            raise ValueError(f"{function} got max_output_length={max_output_length!r} and max_length={max_length!r}: "
-                             "max_length is max_output_length's old name, give max_output_length only")
-        warnings.warn(f"{function}(max_length=...) is now {function}(max_output_length=...) (read as such)",
-                      DeprecationWarning, stacklevel=3)
-        max_output_length = max_length
+    # stacklevel 4: the warning points at the search's caller (through this function and the search).
+    max_output_length = renamed_argument(function, kwargs, "max_length", "max_output_length", max_output_length,
+                                         stacklevel=4)
     if kwargs:
         raise TypeError(f"{function}() got an unexpected keyword argument {next(iter(kwargs))!r}")
     return max_output_length

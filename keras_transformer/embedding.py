@@ -1,12 +1,12 @@
 """Token embedding plus positional encoding (paper sections 3.4 and 3.5)."""
 
 import math
-import warnings
 
 import keras
 from keras import ops
 
 from keras_transformer.masking import PAD_ID
+from keras_transformer.renamed import renamed_argument
 
 
 def positional_encoding(positions, d_model, dtype="float32"):
@@ -77,7 +77,7 @@ class PositionalEmbedding(keras.layers.Layer):
         max_positions=None,
         **kwargs,
     ):
-        max_positions = renamed_max_positions("PositionalEmbedding", max_positions, kwargs)
+        max_positions = renamed_argument("PositionalEmbedding", kwargs, "max_length", "max_positions", max_positions)
         super().__init__(**kwargs)
         if learned_positions and not max_positions:
             raise ValueError("PositionalEmbedding(learned_positions=True) needs max_positions.")
@@ -161,21 +161,6 @@ class PositionalEmbedding(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return super().from_config(saved_max_positions(config))
-
-
-def renamed_max_positions(owner, max_positions, kwargs):
-    """`max_positions` of `owner` (`PositionalEmbedding`, `Transformer`), or its old name `max_length=` taken
-    from the constructor's other keyword arguments `kwargs` (removed there), with a one-line
-    `DeprecationWarning`; both given: a ValueError naming both."""
-    if "max_length" not in kwargs:
-        return max_positions
-    max_length = kwargs.pop("max_length")
-    if max_positions is not None:
-        raise ValueError(f"{owner} got max_positions={max_positions!r} and max_length={max_length!r}: "
-                         "max_length is max_positions's old name, give max_positions only")
-    warnings.warn(f"{owner}(max_length=...) is now {owner}(max_positions=...) (read as such)", DeprecationWarning,
-                  stacklevel=3)
-    return max_length
 
 
 def saved_max_positions(config):

@@ -1,12 +1,11 @@
 """The training losses and metric, padding ignored: label smoothing (paper section 5.4), and R-Drop on top of it."""
 
-import warnings
-
 import keras
 import numpy as np
 from keras import ops
 
 from keras_transformer.masking import PAD_ID
+from keras_transformer.renamed import renamed_argument
 
 
 def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
@@ -216,14 +215,7 @@ class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
     """
 
     def __init__(self, kl_weight=5.0, label_smoothing=0.1, name="masked_r_drop_crossentropy", **kwargs):
-        if "alpha" in kwargs:
-            alpha = kwargs.pop("alpha")
-            if kl_weight != 5.0:
-                raise ValueError(f"MaskedRDropCrossentropy got kl_weight={kl_weight!r} and alpha={alpha!r}: "
-                                 "alpha is kl_weight's old name, give kl_weight only")
-            warnings.warn("MaskedRDropCrossentropy(alpha=...) is now MaskedRDropCrossentropy(kl_weight=...) "
-                          "(read as such)", DeprecationWarning, stacklevel=2)
-            kl_weight = alpha
+        kl_weight = renamed_argument("MaskedRDropCrossentropy", kwargs, "alpha", "kl_weight", kl_weight, default=5.0)
         if not kl_weight >= 0:
             raise ValueError(f"kl_weight must be 0 or more, got {kl_weight!r}")
         super().__init__(label_smoothing=label_smoothing, name=name, **kwargs)

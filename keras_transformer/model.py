@@ -5,9 +5,10 @@ from keras import ops
 
 from keras_transformer.attention import head_size
 from keras_transformer.decoder import Decoder
-from keras_transformer.embedding import PositionalEmbedding, renamed_max_positions, saved_max_positions
+from keras_transformer.embedding import PositionalEmbedding, saved_max_positions
 from keras_transformer.encoder import Encoder
 from keras_transformer.masking import padding_mask
+from keras_transformer.renamed import renamed_argument
 
 PRESETS = {
     # For tests: builds and trains in seconds.
@@ -102,7 +103,7 @@ class Transformer(keras.Model):
         activation_dropout=0.0,
         **kwargs,
     ):
-        max_positions = renamed_max_positions("Transformer", max_positions, kwargs)
+        max_positions = renamed_argument("Transformer", kwargs, "max_length", "max_positions", max_positions)
         super().__init__(**kwargs)
         given = (vocab_size is not None, source_vocab_size is not None, target_vocab_size is not None)
         if given not in ((True, False, False), (False, True, True)):

@@ -197,8 +197,8 @@ class TrainSettings:
                         type=int)
 
     average_last: int | None = setting(
-        None, "kt-average-checkpoints averages the last N checkpoints", GROUPS[4], shown=f"its own: {DEFAULT_AVERAGE_LAST}", type=int,
-        metavar="N")
+        None, "kt-average-checkpoints averages the last N checkpoints", GROUPS[4],
+        shown=f"its own: {DEFAULT_AVERAGE_LAST}", type=int, metavar="N")
     beam_size: int | None = setting(None, "kt-evaluate's and kt-export's beam size", GROUPS[4],
                                     shown=f"theirs: {DEFAULT_BEAM_SIZE}", type=int)
     length_penalty: float | None = setting(
@@ -361,11 +361,13 @@ def type_problem(name: str, value) -> str | None:
 def settings_table() -> str:
     """The Markdown table of every setting: its config key, its flags, its default and its help (training/README.md
     holds a copy, which a test checks)."""
+    def cell(text):
+        return text.replace("|", "\\|")
+
     rows = ["| config key | flag | default | meaning |", "|---|---|---|---|"]
     for name, f in SETTINGS.items():
         flags = ", ".join(f"`{flag.name}`" for flag in flags_of(name))
-        meaning = f.metadata["help"].replace("|", "\\|")
-        rows.append(f"| `{name}` | {flags} | {shown_default(name).replace('|', chr(92) + '|')} | {meaning} |")
+        rows.append(f"| `{name}` | {flags} | {cell(shown_default(name))} | {cell(f.metadata['help'])} |")
     return "\n".join(rows)
 
 
@@ -410,7 +412,8 @@ def check_settings(settings: TrainSettings) -> None:
 
 
 def _flag(name: str) -> str:
-    return flags_of(name)[0].name if flags_of(name) else f"\"{name}\""
+    """The first flag of setting `name`, for messages (every setting a range check names has one)."""
+    return flags_of(name)[0].name
 
 
 def write_config(settings: TrainSettings, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
@@ -456,7 +459,7 @@ def batch_plan(settings: TrainSettings, replicas: int, previous: dict | None = N
     with a per-replica budget, the accumulation is changed to keep the run's tokens per update, and where no
     whole number of batches keeps it, a `ConfigError` says how to go on.
     """
-    accumulate = settings.grad_accum or 1
+    accumulate = settings.grad_accum
     if settings.tokens_per_replica:
         per_replica = int(settings.tokens_per_replica)
     else:

@@ -191,7 +191,7 @@ def get_tokenizer_proto(settings: TrainSettings, train_pairs, model_dir: Path, i
     try:
         proto = train_sentencepiece(counted(), settings.vocab_size, model_type=settings.vocab_type,
                                     input_sentence_size=settings.vocab_sample,
-                                    lowercase=bool(settings.lowercase))
+                                    lowercase=settings.lowercase)
     except ValueError as e:
         raise ConfigError(f"{e} (--vocab-size)") from e
     tmp = model_dir / (TOKENIZER_FILENAME + ".tmp")
@@ -247,7 +247,7 @@ def compile_model(model, settings: TrainSettings, optimizer=None):
         optimizer=optimizer,
         loss=loss,
         metrics=[kt.MaskedAccuracy()],
-        jit_compile=bool(settings.jit_compile),
+        jit_compile=settings.jit_compile,
     )
     return model
 
@@ -262,7 +262,7 @@ def build_and_compile(settings: TrainSettings, vocab_size: int, optimizer=None, 
     compile_model(model, settings, optimizer)
     model.optimizer.build(model.trainable_variables)
     build_fit_state_now(model, ((dummy, dummy), dummy))
-    UpdateStep.install(model, accumulate=settings.grad_accum or 1, global_clipnorm=settings.global_clipnorm)
+    UpdateStep.install(model, accumulate=settings.grad_accum, global_clipnorm=settings.global_clipnorm)
     return model
 
 
@@ -417,9 +417,9 @@ def train(settings: TrainSettings, strategy=None) -> dict:
     vocab_size = vocab_size_of(proto)
     replicas = strategy.num_replicas_in_sync
     plan = batch_plan(settings, replicas, previous_batch_plan(model_dir, out_dir))
-    if plan["grad_accum"] != (settings.grad_accum or 1):
+    if plan["grad_accum"] != settings.grad_accum:
         print(f"[kt-train] resumed on {replicas} replica(s): {plan['grad_accum']} batches per update (not "
-              f"{settings.grad_accum or 1}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
+              f"{settings.grad_accum}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
     settings = dataclasses.replace(settings, grad_accum=plan["grad_accum"])
     if is_chief:
         budget = "--tokens-per-replica" if settings.tokens_per_replica else "--tokens-per-batch split between the replicas"
@@ -428,7 +428,7 @@ def train(settings: TrainSettings, strategy=None) -> dict:
               f"(budgets of padded tokens per side; {budget})", flush=True)
     batch_args = dict(max_sentence_length=settings.max_sentence_length,
                       tokens_per_batch=plan["tokens_per_replica"] * replicas,
-                      num_replicas=replicas, pad_to_bucket_boundary=bool(settings.jit_compile))
+                      num_replicas=replicas, pad_to_bucket_boundary=settings.jit_compile)
     steps = settings.steps_per_epoch
     if settings.checkpoint_every:
         # A recipe by updates: Keras' epochs are spans of N updates over the repeated stream, each ending in the
@@ -443,7 +443,7 @@ def train(settings: TrainSettings, strategy=None) -> dict:
     if corpus is not None:
         stream = dict(max_sentence_length=settings.max_sentence_length, tokens_per_replica=plan["tokens_per_replica"],
                       seed=settings.seed, start=ResumableBackup.saved_step(out_dir / "backup"),
-                      pad_to_bucket_boundary=bool(settings.jit_compile), copies=copies)
+                      pad_to_bucket_boundary=settings.jit_compile, copies=copies)
 
         def worker_batches(context=tf.distribute.InputContext()):
             # One batch per replica: each of this worker's replicas takes the next one in turn.
@@ -476,7 +476,7 @@ def train(settings: TrainSettings, strategy=None) -> dict:
             counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
                                    seed=settings.seed, **batch_args)
         batch_contents = mean_target_tokens(counted)
-        accum = settings.grad_accum or 1
+        accum = settings.grad_accum
         # Per batch of all replicas: the prepared stream's batches are one replica's.
         per_batch = 1 if corpus is None else replicas
         batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum * per_batch)
