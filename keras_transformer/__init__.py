@@ -13,3 +13,18 @@ from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.schedule import PaperAdam, TransformerSchedule, paper_adam
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # TensorFlow's training step, loaded on first use: `import keras_transformer` imports no TensorFlow (on JAX and
+    # PyTorch the library runs without it).
+    if name == "UpdateStep":
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            raise ImportError(f"kt.UpdateStep is the training step for tf.distribute, on the TensorFlow backend; "
+                              f"this is {keras.backend.backend()!r}, where Keras' own step sums gradients itself")
+        from keras_transformer.distributed import UpdateStep
+
+        return UpdateStep
+    raise AttributeError(f"module 'keras_transformer' has no attribute {name!r}")

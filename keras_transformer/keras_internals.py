@@ -13,7 +13,7 @@ Two groups:
   (keras_transformer/attention.py) computes with those weights (`keras_transformer.linear`) through its public
   `projections` and `is_plain()`, which read them here, and implements `MultiHeadAttentionWithHook`'s public
   hook in place of the private method.
-- kt-train's `fit()` (the TensorFlow backend, used by training/fit.py, training/update.py and
+- kt-train's `fit()` (the TensorFlow backend, used by training/fit.py, keras_transformer/distributed.py and
   training/callbacks.py): workarounds for Keras 3.15's trainer, its optimizer's all-reduce and its backup
   callback. This module never imports TensorFlow at module level (`import keras_transformer` must not load it
   on JAX or PyTorch): what needs it imports it inside the function.
@@ -329,7 +329,7 @@ def apply_summed_gradients(optimizer) -> None:
     """Makes `optimizer.apply` take gradients already summed over the replicas (Keras 3.15's TensorFlow optimizer).
 
     `TFOptimizer._backend_update_step` all-reduces the gradients it is given
-    (the private `_all_reduce_sum_gradients`) before the update. `training.update.UpdateStep`
+    (the private `_all_reduce_sum_gradients`) before the update. `keras_transformer.distributed.UpdateStep`
     all-reduces them itself, once per update, so that it can check and clip
     the sum first; a second all-reduce would multiply them by the replicas.
     """

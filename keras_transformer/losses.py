@@ -94,14 +94,25 @@ def _token_weights(sample_weight, mask):
     return ops.broadcast_to(weight, ops.shape(mask))
 
 
-def _replicas_in_sync():
-    """How many replicas compute this loss at once: under tf.distribute on the TensorFlow backend, its
-    strategy's; 1 on the other backends (TensorFlow is imported only when it is the backend)."""
+def _mean_over_replicas(total, count):
+    """`total / count` as each replica's share of the mean over every replica's tokens.
+
+    Keras sums the replicas' gradients under tf.distribute (TensorFlow), so each replica returns its own sum
+    divided by the count of all replicas (all-reduced): the shares add up to the mean over every real token
+    of the global batch, whatever each replica holds. Outside a replica's step (a symbolic build) with N
+    replicas, the replica's own mean divided by N. On JAX and PyTorch (TensorFlow not imported): `total / count`.
+    """
     if keras.backend.backend() != "tensorflow":
-        return 1
+        return ops.divide_no_nan(total, count)
     import tensorflow as tf
 
-    return tf.distribute.get_strategy().num_replicas_in_sync
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas == 1:
+        return ops.divide_no_nan(total, count)
+    if tf.distribute.in_cross_replica_context():
+        return ops.divide_no_nan(total, count) * (1.0 / replicas)
+    count = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.stop_gradient(count))
+    return ops.divide_no_nan(total, count)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -116,9 +127,10 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
     token `[batch, length]`), the reductions are:
 
     - `"sum_over_batch_size"` (default), `"mean"`, `"mean_with_sample_weight"`:
-      sum(w l m) / sum(w m), the (weighted) mean over real tokens. Per
-      replica under tf.distribute, divided by the replicas as Keras does
-      with its own means, so that the summed gradients average them.
+      sum(w l m) / sum(w m), the (weighted) mean over real tokens. Under
+      tf.distribute, each replica's sum over the count of every replica's
+      tokens (all-reduced), so that Keras' summed gradients are those of
+      the mean over all the global batch's real tokens.
     - `"sum"`: sum(w l m).
     - `None` / `"none"`: w l m, `[batch, length]`.
 
@@ -148,12 +160,12 @@ class MaskedSparseCategoricalCrossentropy(keras.losses.Loss):
             total = ops.sum(losses)
             if self.reduction == "sum":
                 return total
-            return ops.divide_no_nan(total, ops.sum(weights)) * (1.0 / _replicas_in_sync())
+            return _mean_over_replicas(total, ops.sum(weights))
 
     def token_sum_and_count(self, y_true, y_pred, sample_weight=None):
         """(sum(w l m), sum(w m)): the summed loss of the real tokens and their (weighted) count, float32
         scalars, whatever the reduction. A training step that normalises over more than one batch or
-        replica divides the sums of the first by the sum of the second (`training.update.UpdateStep`)."""
+        replica divides the sums of the first by the sum of the second (`keras_transformer.distributed.UpdateStep`)."""
         with keras.name_scope(self.name):
             losses, weights = self._weighted(y_true, y_pred, sample_weight)
             return ops.sum(losses), ops.sum(weights)

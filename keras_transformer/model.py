@@ -1,6 +1,7 @@
 """The Transformer: tokens in, next-token logits out (paper figure 1)."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_transformer.attention import head_size
@@ -181,6 +182,56 @@ class Transformer(keras.Model):
         # encode/decode/decoding may be the first thing a user calls.
         if not self.built:
             self.build()
+
+    # -- training on TensorFlow: the summed update (keras_transformer/distributed.py) -------------------------
+
+    def compile(self, *args, **kwargs):
+        """Keras' `compile`, with the same arguments.
+
+        On TensorFlow, with one of the library's masked losses, `fit` and `evaluate` then run the library's
+        `kt.UpdateStep`: on one device and under any `tf.distribute` strategy, N replicas compute what one
+        computes. The loss is the mean over every real target token of the update. The optimizer's clipping
+        (`global_clipnorm`, ...) applies to the gradient summed over the replicas. Its
+        `gradient_accumulation_steps` is taken over by the step (the optimizer's is set to None), and counts
+        batches per replica. Under `mixed_float16`, an overflow on any replica skips the update on all.
+
+        With another loss, under more than one replica, settings that Keras' own step would apply to each
+        replica's gradient (clipping, accumulation, loss scaling) are refused with a `ValueError` here.
+        On JAX and PyTorch this is Keras' `compile`.
+        """
+        super().compile(*args, **kwargs)
+        for name in ("train_step", "test_step"):
+            self.__dict__.pop(name, None)  # a step installed for the previous compile
+        self._steps_per_update = 1
+        if keras.backend.backend() == "tensorflow":
+            from keras_transformer.distributed import prepare_compiled
+
+            ids = np.ones((2, 2), "int32")  # two rows: one pair for R-Drop's loss
+            self._steps_per_update = prepare_compiled(self, ((ids, ids), ids))
+
+    def compile_from_config(self, config):
+        """Compiles as the saved model was compiled (`keras.models.load_model`), through `compile` above. (Keras
+        compiles a loaded model only if its class keeps Keras' own `compile`, or defines this.)"""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.optimizer is not None and self.built and not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force=False):
+        """Keras' `make_train_function`; on TensorFlow, it first installs the summed update (see `compile`)."""
+        self._use_update_step(self.train_function is None or force)
+        return super().make_train_function(force)
+
+    def make_test_function(self, force=False):
+        """Keras' `make_test_function`; on TensorFlow, it first installs the summed update (see `compile`)."""
+        self._use_update_step(self.test_function is None or force)
+        return super().make_test_function(force)
+
+    def _use_update_step(self, making):
+        # Once per compile: `compile` removes the step it installs (an attribute of the instance).
+        if making and keras.backend.backend() == "tensorflow" and "train_step" not in self.__dict__:
+            from keras_transformer.distributed import use_update_step
+
+            use_update_step(self, getattr(self, "_steps_per_update", 1))
 
     def call(self, inputs, training=None):
         source_ids, target_ids = inputs

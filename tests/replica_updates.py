@@ -11,6 +11,10 @@ then `evaluate`s the trained model on the same batches.
 Case "overflow" (mixed_float16, a one-layer model under the same `UpdateStep`) makes the first batch's second
 half overflow and writes the loss scale, the optimizer's step and every replica's copy of the weights after each
 batch.
+Cases "own-script" and "own-script-overflow" train as a user's own script does, with nothing of training/: a
+`kt.Transformer` compiled in the strategy's scope with a Keras optimizer that clips (`global_clipnorm`) and
+accumulates (`gradient_accumulation_steps`), the library's loss and metric, then `model.fit`; the second under
+mixed_float16, with a sample weight that overflows on the second replica's share of the first batch.
 """
 
 import json
@@ -30,7 +34,7 @@ from training.config import TrainSettings  # noqa: E402
 from training.distribute import make_strategy, worker_info  # noqa: E402
 from training.fit import build_and_compile  # noqa: E402
 from keras_transformer.keras_internals import build_fit_state_now  # noqa: E402
-from training.update import UpdateStep  # noqa: E402
+from keras_transformer.distributed import UpdateStep  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
 
@@ -43,6 +47,7 @@ CASES = {
     "clip+accumulate": (3, 0.05, None),
     "r-drop": (2, None, 1.0),
 }
+OWN_SCRIPT = (3, 0.05)  # the own-script case's batches per update and global clip norm
 TRACKED = ("embedding", "encoder/layer_0/self_attention/query", "decoder/layer_0/feed_forward")  # a few weights are enough to tell updates apart
 
 
@@ -99,6 +104,7 @@ class Record(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.before = [keras.ops.convert_to_numpy(v) for v in self.model.trainable_variables]
+        self.start = tracked(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())
@@ -127,6 +133,41 @@ def first_update_by_definition(model, data, learning_rate):
         out[name] = {v.path: (keras.ops.convert_to_numpy(v) - learning_rate * g.numpy()).tolist()
                      for v, g in zip(model.trainable_variables, grads) if any(n in v.path for n in TRACKED)}
     out["token_counts"] = [float(c) for c in counts]
+    return out
+
+
+def own_script_case(strategy, overflow=False):
+    """As a user's script: `kt.Transformer` compiled in the scope with Keras' SGD clipping and accumulating, then
+    `model.fit`, nothing else. With `overflow`, mixed_float16 and sample weights of 1 except a huge one on a
+    row of the first batch's second half (replica 2's share on two replicas): that batch's gradient overflows."""
+    accumulate, clip = (1, None) if overflow else OWN_SCRIPT
+    rng = np.random.default_rng(11)
+    data = batches(UPDATES * accumulate + (1 if overflow else 0), rng)
+    weights = None
+    if overflow:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        weights = np.ones((len(data), ROWS), "float32")
+        weights[0, ROWS // 2 + 1] = 3e38  # float32's largest is 3.4e38: times the loss scale, the gradient is not finite
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = kt.Transformer.from_preset("tiny", vocab_size=V, dropout=0.0, num_encoder_layers=1,
+                                           num_decoder_layers=1)
+        optimizer = keras.optimizers.SGD(LEARNING_RATE, global_clipnorm=clip,
+                                         gradient_accumulation_steps=accumulate if accumulate > 1 else None)
+        model.compile(optimizer=optimizer, loss=kt.MaskedSparseCategoricalCrossentropy(),
+                      metrics=[kt.MaskedAccuracy()])
+    record = Record()
+    model.fit(dataset(data, weights), epochs=1, verbose=0, callbacks=[record])
+    evaluated = model.evaluate(dataset(data), verbose=0, return_dict=True)["loss"]
+    out = {"start": record.start, "updates": record.updates, "replicas": strategy.num_replicas_in_sync,
+           "evaluated": evaluated, "accumulate": accumulate}
+    if overflow:
+        out["loss_scale"] = float(model.optimizer.dynamic_scale.numpy())
+        out["initial_scale"] = float(model.optimizer.initial_scale)
+        keras.mixed_precision.set_global_policy("float32")
+    if strategy.num_replicas_in_sync == 1:  # the definition: the mean over every real target token
+        sums = [model.loss.token_sum_and_count(to, model((s, ti), training=False)) for (s, ti), to in data]
+        out["definition"] = {"loss": float(sum(t for t, _ in sums) / sum(c for _, c in sums))}
     return out
 
 
@@ -191,9 +232,10 @@ def main():
     strategy = make_strategy(1) if MODE == "workers" else (
         tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(int(MODE))]) if int(MODE) > 1
         else tf.distribute.get_strategy())
-    cases = sys.argv[3:] or [*CASES, "overflow"]
-    results = {name: overflow_case(strategy) if name == "overflow" else train_case(strategy, name)
-               for name in cases}
+    cases = sys.argv[3:] or [*CASES, "overflow", "own-script", "own-script-overflow"]
+    run = {"overflow": overflow_case, "own-script": own_script_case,
+           "own-script-overflow": lambda strategy: own_script_case(strategy, overflow=True)}
+    results = {name: run[name](strategy) if name in run else train_case(strategy, name) for name in cases}
     if worker_info()[0]:
         with open(OUT, "w") as f:
             json.dump(results, f)

@@ -479,7 +479,7 @@ def test_keras_progress_bar_prints_its_epoch_line_only_for_more_than_one_epoch(c
 def test_fit_logs_as_loss_the_result_of_the_private_loss_tracker():
     """`loss_tracker` (`_loss_tracker`): compile creates it, a `Mean` named "loss" and the first of
     `model.metrics`, and fit()'s "loss" log is its result, averaged over the epoch, for a step of one's own
-    that updates it (as `training.update.UpdateStep` does) and returns `compute_metrics`."""
+    that updates it (as `keras_transformer.distributed.UpdateStep` does) and returns `compute_metrics`."""
     model = _dense_model()
     tracker = loss_tracker(model)
     assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss" and model.metrics[0] is tracker

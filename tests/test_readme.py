@@ -22,9 +22,17 @@ from conftest import REPO
 README = REPO / "README.md"
 LINKED_PAGES = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "training" / "README.md",
                 REPO / "export" / "README.md", REPO / "BENCHMARKS.md"]
-# The README has two runnable examples: the library on a Keras backend, and decoder-only generation.
-MIN_RUN_BLOCKS = 2
+# The README's runnable examples: the library on a Keras backend, training on several GPUs, decoder-only
+# generation.
+MIN_RUN_BLOCKS = 3
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(?P<reason>.*?)\s*-->\s*$")
+# A block marked so runs with the CPU split into 2 logical devices first (as kt-train --cpu-replicas 2 splits it),
+# and must print "replicas: 2": the README's multi-GPU script, on the two replicas a machine without GPUs has.
+TWO_DEVICES = re.compile(r"^\s*<!--\s*run on 2 logical CPU devices\s*-->\s*$")
+SPLIT_CPU = """import tensorflow as tf
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+"""
 FENCE = re.compile(r"^\s*(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
 # A block's own time; the whole file stays under 2 minutes on 2 busy cores.
 BLOCK_TIMEOUT = 600
@@ -53,24 +61,25 @@ def _fenced_blocks(text):
 
 
 def python_blocks(path=README):
-    """(line, code, reason it is not run or None) of every ```python block of `path`."""
+    """(line, code, reason it is not run or None, on 2 logical devices) of every ```python block of `path`."""
     blocks, _ = _fenced_blocks(path.read_text(encoding="utf-8"))
     found = []
     for line, info, code, before in blocks:
         if info in ("python", "py", "python3"):
             marker = NOT_RUN.match(before)
-            found.append((line, code, marker["reason"] if marker else None))
+            found.append((line, code, marker["reason"] if marker else None, bool(TWO_DEVICES.match(before))))
     return found
 
 
-@pytest.mark.parametrize("line, code, not_run",
+@pytest.mark.parametrize("line, code, not_run, two_devices",
                          [pytest.param(*block, id=f"README.md:{block[0]}") for block in python_blocks()])
-def test_readme_python_block_runs(line, code, not_run, tmp_path):
-    """The block at README.md:line, pasted into a fresh interpreter, exits 0."""
+def test_readme_python_block_runs(line, code, not_run, two_devices, tmp_path):
+    """The block at README.md:line, pasted into a fresh interpreter, exits 0 (a block marked to run on 2 logical
+    CPU devices, on them, printing "replicas: 2")."""
     if not_run is not None:
         pytest.skip(f"README.md:{line}: not run: {not_run}")
     script = tmp_path / f"readme_line_{line}.py"
-    script.write_text(code, encoding="utf-8")
+    script.write_text((SPLIT_CPU if two_devices else "") + code, encoding="utf-8")
     venv_python = REPO / ".venv" / "bin" / "python"
     python = venv_python if venv_python.is_file() else sys.executable
     env = {**os.environ, "PYTHONPATH": str(REPO), "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -78,21 +87,24 @@ def test_readme_python_block_runs(line, code, not_run, tmp_path):
                           timeout=BLOCK_TIMEOUT)
     assert proc.returncode == 0, (f"README.md:{line}: the python block failed (exit {proc.returncode}):\n"
                                   f"{proc.stderr[-4000:]}")
+    if two_devices:
+        assert "replicas: 2" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_readme_runs_enough_python_blocks():
-    """At least MIN_RUN_BLOCKS of the README's python blocks run, and every `not run` marker gives a reason and
-    stands right before a python block (a marker before anything else would mark nothing)."""
+    """At least MIN_RUN_BLOCKS of the README's python blocks run, every `not run` marker gives a reason, and every
+    marker stands right before a python block (a marker before anything else would mark nothing)."""
     blocks = python_blocks()
-    assert sum(reason is None for _, _, reason in blocks) >= MIN_RUN_BLOCKS, blocks
-    assert all(reason for _, _, reason in blocks if reason is not None), "a `not run` marker needs its reason"
+    assert sum(reason is None for _, _, reason, _ in blocks) >= MIN_RUN_BLOCKS, blocks
+    assert all(reason for _, _, reason, _ in blocks if reason is not None), "a `not run` marker needs its reason"
     lines = README.read_text(encoding="utf-8").split("\n")
-    marked = {line for line, _, reason in blocks if reason is not None}
-    for number, text in enumerate(lines, 1):
-        if NOT_RUN.match(text):
-            # The block's code begins two lines after its marker (marker, fence, code), blank lines aside.
-            fence = next(n for n in range(number + 1, len(lines) + 1) if lines[n - 1].strip())
-            assert fence + 1 in marked, f"README.md:{number}: a `not run` marker not followed by a python block"
+    for pattern, marked in ((NOT_RUN, {line for line, _, reason, _ in blocks if reason is not None}),
+                            (TWO_DEVICES, {line for line, _, _, two in blocks if two})):
+        for number, text in enumerate(lines, 1):
+            if pattern.match(text):
+                # The block's code begins two lines after its marker (marker, fence, code), blank lines aside.
+                fence = next(n for n in range(number + 1, len(lines) + 1) if lines[n - 1].strip())
+                assert fence + 1 in marked, f"README.md:{number}: a marker not followed by a python block"
 
 
 # ------------------------------------------------------------------------------------------------------ links

@@ -256,7 +256,7 @@ def test_kt_trains_optimizer_has_the_configured_epsilon_and_global_clip(argv, ep
     import inspect
 
     from training.fit import build_and_compile
-    from training.update import UpdateStep
+    from keras_transformer.distributed import UpdateStep
 
     cfg = resolve_settings(["--preset", "tiny", *argv])
     model = build_and_compile(cfg, 40)
@@ -734,7 +734,7 @@ def test_r_drop_compiles_its_loss_records_its_weight_and_validates_with_the_plai
     from common.tokenizer import make_tokenizer
     from keras_transformer.text import read_tokenizer_proto
     from training.config import check_settings
-    from training.update import UpdateStep
+    from keras_transformer.distributed import UpdateStep
     from training.errors import ConfigError
     from training.data import load_text_pairs
     from training.fit import compile_model, data_spec, train

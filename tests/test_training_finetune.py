@@ -20,7 +20,7 @@ from training.config import resolve_settings
 from training.fit import compile_model, train
 from keras_transformer.keras_internals import ignoring_ran_out_of_data
 from training.pipeline import make_batches
-from training.update import UpdateStep
+from keras_transformer.distributed import UpdateStep
 
 TRAIN_LINES = 29000
 

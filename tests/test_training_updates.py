@@ -1,4 +1,4 @@
-"""N replicas train the model that one replica trains: kt-train's update (`training.update.UpdateStep`) sums the
+"""N replicas train the model that one replica trains: kt-train's update (`keras_transformer.distributed.UpdateStep`) sums the
 gradient over replicas and accumulated batches before it checks for overflow, clips and applies it.
 
 tests/replica_updates.py trains the same 3 updates with 1 replica, 2 logical CPU replicas (MirroredStrategy) and
@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, distributed_env, start_workers, two_batch_epochs_args, wait_all
 
 PROGRAM = str(REPO / "tests" / "replica_updates.py")
-CASES = ["clip", "accumulate", "clip+accumulate", "r-drop"]
+CASES = ["clip", "accumulate", "clip+accumulate", "r-drop"]  # the own-script cases are apart
 CLIP, LEARNING_RATE = 0.05, 0.5  # as in replica_updates.py
 
 
@@ -120,6 +120,48 @@ def test_an_overflow_on_one_replica_skips_the_update_on_every_replica(runs, repl
     # precision (2^-11 relative), not float32's.
     assert_same_weights({"w": runs["1"]["overflow"]["steps"][1]["replica_weights"][0][0]},
                         {"w": applied["replica_weights"][0][0]}, "after the applied step", rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# A user's own script: kt.Transformer, compile in the scope with Keras' optimizer clipping and accumulating, fit.
+
+OWN_CLIP = 0.05  # as replica_updates.OWN_SCRIPT's
+
+
+@pytest.mark.parametrize("replicas", ["2", "workers"])
+def test_own_script_fit_on_n_replicas_makes_the_updates_of_one(runs, replicas):
+    """`kt.Transformer` compiled with `SGD(global_clipnorm=..., gradient_accumulation_steps=3)` and the library's
+    loss, then `model.fit`, as a user writes it: 2 replicas (and 2 workers) make the updates of 1, clipped on
+    the summed gradient (norm lr * clip on every replica count; Keras' own step clipped each replica's share,
+    1.94x on 2 replicas), the logged and evaluated loss the mean over every real target token."""
+    one, many = runs["1"]["own-script"], runs[replicas]["own-script"]
+    assert (one["replicas"], many["replicas"], one["accumulate"]) == (1, 2, 3)
+    assert [u["step"] for u in one["updates"]] == [u["step"] for u in many["updates"]] == [1, 2, 3]
+    for i, (a, b) in enumerate(zip(one["updates"], many["updates"])):
+        assert_same_weights(a["weights"], b["weights"], f"own script, update {i + 1}")
+        assert a["norm"] == pytest.approx(LEARNING_RATE * OWN_CLIP, rel=1e-4)
+        assert b["norm"] == pytest.approx(LEARNING_RATE * OWN_CLIP, rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for run in (one, many):
+        assert run["evaluated"] == pytest.approx(one["definition"]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+def test_own_script_mixed_float16_skips_an_overflow_on_any_replica_everywhere(runs, replicas):
+    """mixed_float16 in a user's script: the first batch overflows on the second replica's share only. The update
+    is skipped on every replica (no update counted, the loss scale halved, the weights finite), and the next
+    batches make the updates one replica makes."""
+    run = runs[replicas]["own-script-overflow"]
+    assert run["loss_scale"] == run["initial_scale"] / 2
+    assert [u["step"] for u in run["updates"]] == [1, 2, 3]
+    for update in run["updates"]:
+        assert np.isfinite(update["loss"])  # the skipped batch's loss is not in the logged mean
+        for value in update["weights"].values():
+            assert np.isfinite(value).all()
+    # float16 products, each replica's share summed apart: the first update agrees with one replica's to a few of
+    # float16's ulps (2^-11 relative); SGD at 0.5 spreads the gap in later updates.
+    one = runs["1"]["own-script-overflow"]["updates"][0]["weights"]
+    assert_same_weights(one, run["updates"][0]["weights"], "own script, mixed_float16", rtol=5e-3)
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +308,7 @@ def test_the_loss_scale_grows_and_the_weights_move_as_with_keras_own_step():
     import tensorflow as tf
 
     import keras_transformer as kt
-    from training.update import UpdateStep
+    from keras_transformer.distributed import UpdateStep
 
     rng = np.random.default_rng(4)
     features = rng.normal(size=(5, 4, 6, 8)).astype("float32")

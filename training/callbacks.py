@@ -23,7 +23,7 @@ from keras_transformer.text import END_ID, START_ID
 from common.run_dir import UPDATE_CHECKPOINT_PATTERN
 from training.errors import BackupError
 from keras_transformer.keras_internals import BackupAndRestoreState
-from training.update import UpdateStep
+from keras_transformer.distributed import UpdateStep
 
 
 class ResumableBackup(BackupAndRestoreState):

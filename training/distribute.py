@@ -58,7 +58,7 @@ def make_strategy(cpu_replicas: int = 1):
     - More GPUs: `MirroredStrategy` over all of them.
     - CPU only, `cpu_replicas > 1`: `MirroredStrategy` over that many logical CPU devices.
 
-    Gradient accumulation works under each (`training.update.UpdateStep`).
+    Gradient accumulation works under each (`keras_transformer.distributed.UpdateStep`).
     """
     if tf_config() is not None:
         if cpu_replicas > 1:

@@ -36,7 +36,7 @@ from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_in
 from training.pipeline import make_batches, mean_target_tokens
 from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
-from training.update import UpdateStep
+from keras_transformer.distributed import UpdateStep
 
 
 # fit()'s epoch count when a run is bounded by --max-updates alone ("epochs": null).
@@ -259,8 +259,9 @@ def build_and_compile(settings: TrainSettings, vocab_size: int, optimizer=None, 
     model = build_model(settings, vocab_size, init)
     dummy = np.ones((2, 2), "int32")  # two rows: one pair for R-Drop's loss
     model((dummy, dummy))
-    compile_model(model, settings, optimizer)
-    model.optimizer.build(model.trainable_variables)
+    compile_model(model, settings, optimizer)  # under a strategy, kt.Transformer.compile builds what fit needs
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
     build_fit_state_now(model, ((dummy, dummy), dummy))
     UpdateStep.install(model, accumulate=settings.grad_accum, global_clipnorm=settings.global_clipnorm)
     return model
