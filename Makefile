@@ -89,8 +89,9 @@ endif
 # updates (TFDS downloads and prepares wmt14_translate, kt-train prepares it into the run). How many
 # checkpoints are averaged, the beam and the length penalty come from the config (average_last, beam_size,
 # length_penalty); AVG, BEAM and LENGTH_PENALTY on the make line override them (ALPHA, LENGTH_PENALTY's old name,
-# is still read as it). Run it again after an interruption: training resumes from its
-# backup, and a run whose model.keras exists is not trained again.
+# is still read as it, with a note, until keras-transformer 0.3.0: docs/design.md lists the old names). Run it
+# again after an interruption: training resumes from its backup, and a run whose model.keras exists is not
+# trained again.
 #
 # Your own parallel text instead of Multi30k: TRAIN="train.en train.de" (any number of pairs of files, plain or
 # gzip), VALID="dev.en dev.de", TEST="test.en test.de", with RUN: `kt-prepare` prepares TRAIN into
@@ -121,7 +122,7 @@ LENGTH_PENALTY ?= $(ALPHA)
 SEARCH_FLAGS = $(if $(BEAM),--beam-size $(BEAM)) $(if $(LENGTH_PENALTY),--length-penalty $(LENGTH_PENALTY))
 
 train: venv
-	$(if $(ALPHA),@echo "make train: ALPHA is now LENGTH_PENALTY (read as such)")
+	$(if $(ALPHA),@echo "make train: ALPHA is now LENGTH_PENALTY (read as such; the old name will be removed in keras-transformer 0.3.0)")
 	@if [ -f $(RUN)/model.keras ]; then \
 		echo "make train: $(RUN)/model.keras exists, so its training is done (delete it, or set RUN, to train again)"; \
 	else \

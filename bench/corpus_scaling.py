@@ -163,7 +163,7 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus-dir", required=True, help="where bench/synthetic_corpus.py wrote the corpora")
     p.add_argument("--pairs", type=parse_counts, required=True, help="corpus sizes, e.g. 30k,1M,4.5M")
@@ -190,7 +190,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-updates", type=int, default=1, help="(c): kt-train's --max-updates (default 1)")
     p.add_argument("--train-args", default="", help="(c): more kt-train flags, one string")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     work = Path(args.work_dir).resolve()
     if work == REPO or REPO in work.parents:

@@ -176,14 +176,15 @@ def set_attention(spec, attention, norm, self_attention):
     """Our MultiHeadAttention + the LayerNorm of its residual block -> a CTranslate2 attention spec."""
     from ctranslate2.converters.utils import fuse_linear
 
-    q, k, v = (linear(dense.kernel, dense.bias) for dense in
-               (attention._query_dense, attention._key_dense, attention._value_dense))
+    # The layer's public `projections` (keras_transformer.keras_internals.attention_projections reads Keras' own).
+    projections = attention.projections
+    q, k, v = (linear(dense.kernel, dense.bias) for dense in (projections.query, projections.key, projections.value))
     if self_attention:
         fuse_linear(spec.linear[0], [q, k, v])
     else:  # cross-attention: queries from the decoder, keys and values (stacked) from the encoder output
         fuse_linear(spec.linear[0], [q])
         fuse_linear(spec.linear[1], [k, v])
-    spec.linear[-1] = linear(attention._output_dense.kernel, attention._output_dense.bias, input_axes=2)
+    spec.linear[-1] = linear(projections.output.kernel, projections.output.bias, input_axes=2)
     set_layer_norm(spec.layer_norm, norm)
 
 
@@ -555,7 +556,7 @@ def run_compare(args) -> int:
 # ------------------------------------------------------------------ command line
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -596,7 +597,11 @@ def main(argv=None) -> int:
                         "run (default: float32:1xTHREADS)")
     m.add_argument("--json", help="also write the results here")
     m.add_argument("--outputs", help="also write both systems' translations (largest batch size) to this directory")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return run_convert(args) if args.command == "convert" else run_compare(args)
 
 

@@ -144,7 +144,7 @@ def profile(sess, signature_def, texts, repeats, warm_up):
     return outputs, statistics.median(walls), in_loop, outside, executions, iterations, loop_span, by_node
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--saved-model", required=True, help="EXPORT_DIR/NAME[/VERSION], decoding in float32")
     p.add_argument("--model-dir", required=True, help="the kt-train directory it came from (config.json: the shape)")
@@ -160,7 +160,11 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=14, help="op types listed per profile (default 14)")
     p.add_argument("--nodes", type=int, default=0, help="also list the N costliest ops of the loop by name")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     config = json.loads((Path(args.model_dir) / "config.json").read_text())
     model = config["model_config"]

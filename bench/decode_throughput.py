@@ -13,7 +13,7 @@ tokens/s, where target tokens = sentencepiece pieces of each translation + 1
 warmed up on one batch first. Also checks that cached and uncached decoding
 give the same translations.
 
-Without --model-dir it trains a quick model first (tests/quick_model.py,
+Without --model-dir it trains a quick model first (bench/quick_model.py,
 preset small, 600 steps on 10,000 pairs: ~20 minutes on 2 busy cores; it is
 kept in --work-dir and reused) and names it in the output: an untrained
 model's outputs run to the length limit and would not be representative.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(REPO))  # the project's packages, and bench.quick_model
 
 
 def _read(path, limit):
@@ -42,8 +42,7 @@ def _read(path, limit):
     return lines[:limit] if limit else lines
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", help="a directory written by kt-train (default: train a quick model)")
     p.add_argument("--data-dir", default="../shared/data/multi30k")
@@ -58,7 +57,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick-steps", type=int, default=600)
     p.add_argument("--quick-lines", type=int, default=10000)
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
 
     import sentencepiece as spm
     import tensorflow as tf
@@ -74,8 +78,7 @@ def main(argv=None) -> int:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        sys.path.insert(0, str(REPO / "tests"))  # a test fixture, not shipped in the wheel
-        from quick_model import build_quick_model_dir
+        from bench.quick_model import build_quick_model_dir
 
         model_dir = work / "quick-model"
         t0 = time.time()

@@ -314,9 +314,7 @@ def short_error(exc):
     return text[:400]
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(REPO.parent / "shared/data/multi30k"))
     p.add_argument("--split", default="test_2016_flickr")
@@ -338,7 +336,13 @@ def main(argv=None) -> int:
     p.add_argument("--pad-multiple", type=int, default=8)
     p.add_argument("--max-source-length", type=int, default=128)
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    args = build_parser().parse_args(argv)
 
     import keras
     import keras_hub

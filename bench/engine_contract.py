@@ -101,8 +101,7 @@ def _options(p, value):
     return [name for name in CHECKS if name in asked]
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True, help="directory written by kt-train")
     p.add_argument("--model-file", help="another .keras file in place of MODEL_DIR/model.keras (e.g. averaged)")
@@ -121,6 +120,12 @@ def main(argv=None) -> int:
     p.add_argument("--beam-agreement", type=float, default=0.99,
                    help="least share of equal outputs for beam, n_best, beam_prefix and no_repeat_ngram's beam")
     p.add_argument("--json", help="also write the figures here")
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    p = build_parser()
     args = p.parse_args(argv)
     options = _options(p, args.options)
     if args.no_repeat_ngram_size < 1:

@@ -308,7 +308,7 @@ def _native_bf16_flags():
     return hardware.native_bf16_flags()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frameworks", nargs="+", default=FRAMEWORKS, choices=FRAMEWORKS)
     p.add_argument("--presets", nargs="+", default=["small", "base"], choices=list(PRESETS))
@@ -337,7 +337,11 @@ def main(argv=None) -> int:
     p.add_argument("--framework", help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--precision", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.worker == "matmul":
         print("RESULT " + json.dumps(matmul_worker(args)), flush=True)

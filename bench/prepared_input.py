@@ -157,7 +157,7 @@ def shuffle_check(corpus, *, tokens_per_replica: int, max_sentence_length: int, 
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from training.config import default
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,7 +185,11 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
                    help=f"Multi30k's raw files, for the shuffle check's word list (default {DEFAULT_DATA_DIR})")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import tensorflow as tf
 

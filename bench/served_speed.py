@@ -81,8 +81,7 @@ def time_alternating(fns, texts, batch_size, repeats, warm_up=None):
     return seconds, outputs
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--export", action="append", required=True, metavar="NAME=PATH",
                    help="a SavedModel version directory; repeat; the first is the baseline")
@@ -101,7 +100,12 @@ def main(argv=None) -> int:
     p.add_argument("--intra-op-threads", type=int, default=0, metavar="N",
                    help="its intra-op threads, as --tensorflow_intra_op_parallelism (default 0: one per core)")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    args = build_parser().parse_args(argv)
 
     import sacrebleu
     import tensorflow as tf

@@ -144,7 +144,7 @@ def write_corpus(tables, pairs: int, paths, *, seed: int, reverse_second_half: b
             "file_bytes": [p.stat().st_size for p in paths]}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pairs", type=parse_counts, required=True,
                    help="line pairs to write, comma-separated, one corpus each: 30000,1000000 or 30k,1M,4.5M")
@@ -162,7 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--gzip", action="store_true", help="write .gz files")
     p.add_argument("--gzip-level", type=int, default=1, help="gzip compression level with --gzip (default 1)")
     p.add_argument("--chunk-lines", type=int, default=32768, help="lines gathered and written at a time")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     out_dir = Path(args.out_dir).resolve()
     if out_dir == REPO or REPO in out_dir.parents:

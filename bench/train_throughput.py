@@ -155,7 +155,7 @@ def recipe_settings(path) -> dict:
                                 "adam_epsilon") if k in cfg}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["small", "base"])
     p.add_argument("--configs", nargs="+", metavar="JSON",
@@ -178,7 +178,11 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     p.add_argument("--config-file", help=argparse.SUPPRESS)
     p.add_argument("--r-drop-weight", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)

@@ -157,7 +157,7 @@ def serve(translate, description):
         reply({"seconds": time.perf_counter() - t0, "translations": translations})
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     systems = p.add_subparsers(dest="system", required=True)
     o = systems.add_parser("ours", help="an exported SavedModel")
@@ -174,7 +174,11 @@ def main(argv=None) -> int:
     c.add_argument("--extra-output-length", type=int, required=True,
                    help="our output limit past the source length, end token included")
     c.add_argument("--pad-id", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     serve(*(ours_translator(args) if args.system == "ours" else ct2_translator(args)))
     return 0
 

@@ -4,7 +4,7 @@ its file names, its config.json, its checkpoints and the model it holds.
     MODEL_DIR/config.json        the languages, ids, vocabulary, longest source (`max_source_length`), model and
                                  training settings (`read_config`)
     MODEL_DIR/tokenizer.model    the sentencepiece vocabulary (`tokenizer_path`)
-    MODEL_DIR/model.keras        the trained model (`load_or_build_model`)
+    MODEL_DIR/model.keras        the trained model (`load_or_build_model`; with the tokenizer: `load_model_dir`)
     MODEL_DIR/checkpoints/       epoch-NNN.weights.h5 every epoch (`epoch_checkpoints`), or, in a run by
                                  updates, update-NNNNNNN.weights.h5 every N updates (`update_checkpoints`)
 """
@@ -21,6 +21,8 @@ from typing import NamedTuple
 import keras
 
 import keras_transformer as kt
+from keras_transformer.renamed import renamed_note
+from keras_transformer.text import read_tokenizer_proto
 
 CONFIG_FILENAME = "config.json"
 MODEL_FILENAME = "model.keras"
@@ -70,6 +72,35 @@ def tokenizer_path(model_dir, config) -> Path:
     return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
 
 
+def load_model_dir(model_dir, model_file=None, weights=None):
+    """(model, tokenizer, config) from a directory written by kt-train: what kt-evaluate, kt-export, the plots
+    and the benchmarks load.
+
+    `model_file` picks another .keras file (e.g. averaged.keras); `weights`
+    loads a .weights.h5 checkpoint into the model, which may then be one
+    built from config.json while kt-train still runs (`load_or_build_model`).
+    """
+    config = read_config(model_dir)
+    if model_file:
+        if not Path(model_file).is_file():
+            raise FileNotFoundError(f"Model file {model_file} not found.")
+        model = keras.models.load_model(model_file, compile=False)
+    elif weights:
+        model = load_or_build_model(model_dir, config)
+    else:
+        path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
+        if not path.is_file():
+            raise FileNotFoundError(f"Model file {path} not found (train first, pass --model-file, or --weights "
+                                    "with one of the run's checkpoints).")
+        model = keras.models.load_model(path, compile=False)
+    if weights:
+        model.load_weights(weights)
+    from common.tokenizer import make_tokenizer  # TensorFlow and tensorflow-text: only for those who load a model
+
+    tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
+    return model, tokenizer, config
+
+
 # The settings of the commands that follow kt-train when neither their command line nor the run's config.json
 # (kt-train's --beam-size, --length-penalty, --average-last) sets them: kt-evaluate's and kt-export's search,
 # kt-average-checkpoints' count (the paper averaged the last 5 checkpoints of its base models).
@@ -83,9 +114,10 @@ class Renamed(NamedTuple):
     type: type  # its old flag's value type
 
 
-# Settings renamed since runs recorded them: {old name: Renamed(new name, flag type)}. The old name is still read,
-# with a note: as a key of a kt-train --config file, in an older run's config.json (`recorded_setting`), and as a
-# flag (`add_renamed_flags`, `take_renamed_flags`).
+# Settings renamed since runs recorded them: {old name: Renamed(new name, flag type)}. The old name is still read:
+# as a key of a kt-train --config file and as a flag (`add_renamed_flags`, `take_renamed_flags`), with a note that
+# says when it goes (`keras_transformer.renamed.renamed_note`), and in an older run's config.json
+# (`recorded_setting`), without one.
 RENAMED_SETTINGS = {
     "alpha": Renamed("length_penalty", float),
     "max_length": Renamed("max_sentence_length", int),  # the training-pair filter, not the model's or a search's
@@ -128,7 +160,8 @@ def add_renamed_flags(parser, *old_names: str) -> None:
 
 def take_renamed_flags(parser, args, note: str) -> None:
     """Moves each old flag's value (`add_renamed_flags`) in `args` onto its new name, printing `NOTE --OLD is
-    now --NEW (read as such)` on stderr; the old and the new flag together are a usage error."""
+    now --NEW (read as such; ...)` (`renamed_note`) on stderr; the old and the new flag together are a usage
+    error."""
     for old, renamed in RENAMED_SETTINGS.items():
         new = renamed.new
         value = getattr(args, f"renamed_{old}", None)
@@ -139,7 +172,7 @@ def take_renamed_flags(parser, args, note: str) -> None:
         if getattr(args, new, None) is not None:
             parser.error(f"{_flag(old)} is the old name of {_flag(new)}: give {_flag(new)} only")
         setattr(args, new, value)
-        print(f"{note} {_flag(old)} is now {_flag(new)} (read as such)", file=sys.stderr, flush=True)
+        print(f"{note} {renamed_note(_flag(old), _flag(new))}", file=sys.stderr, flush=True)
 
 
 def epoch_checkpoints(model_dir) -> list[tuple[int, Path]]:

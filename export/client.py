@@ -368,7 +368,7 @@ class GrpcClient(SignatureMethods):
         self._channel.close()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m export.client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
@@ -378,7 +378,11 @@ def main(argv=None) -> int:
     p.add_argument("--signature", default="serving_default", help="serving_default (beam) or greedy")
     p.add_argument("--metadata", action="store_true", help="print the model's signatures instead")
     p.add_argument("texts", nargs="*", help="sentences to translate (default: lines of stdin)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     client = (RestClient(args.rest, args.model_name, signature=args.signature) if args.rest
               else GrpcClient(args.grpc, args.model_name, signature=args.signature))
     if args.metadata:

@@ -29,22 +29,19 @@ def needs_xla(op: str) -> bool:
     `tensorflow_model_server` refuses unless started with `--xla_cpu_compilation_enabled`."""
     return op.startswith(("Xla", "_Xla"))
 
+# Run in a fresh process: tensorflow alone (with export.tf_internals, which imports nothing else), then
+# tensorflow_text.
 _REGISTERED_OPS_SCRIPT = r"""
 import json, sys
-import tensorflow as tf
-from tensorflow.core.framework import op_def_pb2
-from tensorflow.python.client import pywrap_tf_session as c
+from export.tf_internals import registered_op_names
 
-def registered():
-    ops = op_def_pb2.OpList()
-    ops.ParseFromString(c.TF_GetBuffer(c.TF_GetAllOpList()))
-    return sorted(o.name for o in ops.op)
-
-core = registered()
+core = registered_op_names()
 import tensorflow_text  # noqa: F401  (registers its ops)
-text = sorted(set(registered()) - set(core))
+text = sorted(set(registered_op_names()) - set(core))
 json.dump({"core": core, "tensorflow_text": text}, sys.stdout)
 """
+# The directory that holds export/, for that process.
+_PROJECT = str(Path(__file__).resolve().parents[1])
 
 
 def saved_model_ops(path) -> dict:
@@ -70,7 +67,8 @@ def saved_model_ops(path) -> dict:
 def registered_ops(python=sys.executable) -> dict:
     """Op names registered by core TensorFlow and by tensorflow-text, from a fresh process that
     imports only tensorflow, then tensorflow_text: {"core": [...], "tensorflow_text": [...]}."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join(filter(None, [_PROJECT, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([python, "-c", _REGISTERED_OPS_SCRIPT], capture_output=True, text=True, env=env,
                          check=True, cwd="/")
     return json.loads(out.stdout)
@@ -84,13 +82,17 @@ def unservable_ops(ops, registered, allow_xla=False) -> list[str]:
                   if op not in allowed or op in PYTHON_OPS or (needs_xla(op) and not allow_xla))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m export.graph_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("saved_model", help="a SavedModel directory (EXPORT_DIR/NAME/VERSION)")
     p.add_argument("--allow-xla", action="store_true", help="XLA ops are fine: the model server runs with "
                    "--xla_cpu_compilation_enabled (an export made with kt-export --xla-max-batch)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     ops = saved_model_ops(args.saved_model)
     registered = registered_ops()
     text_ops = set(registered["tensorflow_text"])

@@ -64,8 +64,9 @@ GRAPH_OPS = GraphSearchOps()
 # ------------------------------------------------------------------ greedy decoding
 
 
+@renamed_max_output_length
 def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
-                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None, **deprecated):
+                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None):
     """`keras_transformer.greedy_decode`'s tokens and scores on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Greedy`) chooses each token; rows that end
@@ -82,7 +83,6 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=
 
     Wrap the call in `tf.function`.
     """
-    max_output_length = renamed_max_output_length("engine_greedy_decode", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     if sampling is not None and prefix_ids is not None:
         raise ValueError("Sampling takes no target prefix (pass sampling or prefix_ids, not both)")
@@ -107,9 +107,9 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=
 # ------------------------------------------------------------------ beam search
 
 
+@renamed_max_output_length
 def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None,
-                       n_best=None, prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False,
-                       **deprecated):
+                       n_best=None, prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False):
     """`keras_transformer.beam_search`'s hypotheses, scores and early stop on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Beam`) keeps the hypotheses; each sentence's k
@@ -138,7 +138,6 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
 
     Wrap the call in `tf.function`.
     """
-    max_output_length = renamed_max_output_length("engine_beam_search", max_output_length, deprecated)
     k = beam_size
     if k < 1:
         raise ValueError(f"beam_size must be >= 1, got {k}")

@@ -1,11 +1,13 @@
-"""Where the TensorFlow serving engine relies on TensorFlow internals: one private API, one kernel choice
-(written for TensorFlow 2.21).
+"""Where export/ relies on TensorFlow internals (written for TensorFlow 2.21): the one module that imports
+TensorFlow's private API (`tensorflow.python`), and the one kernel choice.
 
-Both serve the speed of the served graph on CPU, so they live in `export/`, not in the portable library
+Two serve the speed of the served graph on CPU, so they live in `export/`, not in the portable library
 (`keras_transformer/` computes with `keras.ops` on any backend): `export/search.py`'s `check_shapes` asks
 `in_xla_context` whether a search with growing shapes is being traced under XLA (to name the mistake; the
 shapes themselves are the caller's explicit `fixed_shapes`), and the one-position attention multiplies with
-`eigen_batch_matmul`. Check both when TensorFlow is upgraded.
+`eigen_batch_matmul`. The third, `registered_op_names`, lists the ops a process has registered, for
+`export/graph_ops.py`'s check that TF Serving's model server has every op of an export. Check all three when
+TensorFlow is upgraded.
 """
 
 import tensorflow as tf
@@ -19,6 +21,18 @@ def in_xla_context():
     have been asked for fixed shapes.
     """
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def registered_op_names():
+    """The names of every op registered in this process, sorted: core TensorFlow's, and those of what it has
+    imported since (tensorflow-text's ops, once `tensorflow_text` is imported). TensorFlow has no public list of
+    them: this reads the C API's (`TF_GetAllOpList`, through the private `pywrap_tf_session`)."""
+    from tensorflow.core.framework import op_def_pb2
+    from tensorflow.python.client import pywrap_tf_session
+
+    ops = op_def_pb2.OpList()
+    ops.ParseFromString(pywrap_tf_session.TF_GetBuffer(pywrap_tf_session.TF_GetAllOpList()))
+    return sorted(op.name for op in ops.op)
 
 
 def eigen_batch_matmul(x, y, adjoint_b=False):

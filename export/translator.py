@@ -96,19 +96,17 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
-import keras
 import tensorflow as tf
 
-from common.run_dir import MODEL_FILENAME, load_or_build_model, max_source_length, read_config, tokenizer_path
-from common.tokenizer import decode_output, make_tokenizer, source_from_pieces
+from common.run_dir import load_model_dir, max_source_length, tokenizer_path
+from common.tokenizer import decode_output, source_from_pieces
 from export.engine_weights import engine_model
 from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.scoring import align_targets, score_targets
-from keras_transformer.text import END_ID, PAD_ID, START_ID, read_tokenizer_proto
+from keras_transformer.text import END_ID, PAD_ID, START_ID
 
 # The export's signatures (a model directory's files: common/run_dir.py).
 
@@ -128,35 +126,6 @@ XLA_LENGTH_MULTIPLE = 16
 # What the XLA decoder computes in, whatever the graph decoder's precision: in bfloat16 the compiled search
 # gave a sentence another translation in a batch of 3 than alone (XLA rounds bfloat16 differently per shape).
 XLA_DTYPE = "float32"
-
-
-# ------------------------------------------------------------ model directory (its format: common/run_dir.py)
-
-
-def load_model_dir(model_dir, model_file=None, weights=None):
-    """(model, tokenizer, config) from a directory written by kt-train.
-
-    `model_file` picks another .keras file (e.g. averaged.keras); `weights`
-    loads a .weights.h5 checkpoint into the model, which may then be one
-    built from config.json while kt-train still runs (`load_or_build_model`).
-    """
-    config = read_config(model_dir)
-    if model_file:
-        if not Path(model_file).is_file():
-            raise FileNotFoundError(f"Model file {model_file} not found.")
-        model = keras.models.load_model(model_file, compile=False)
-    elif weights:
-        model = load_or_build_model(model_dir, config)
-    else:
-        path = Path(model_dir) / config.get("model_file", MODEL_FILENAME)
-        if not path.is_file():
-            raise FileNotFoundError(f"Model file {path} not found (train first, pass --model-file, or --weights "
-                                    "with one of the run's checkpoints).")
-        model = keras.models.load_model(path, compile=False)
-    if weights:
-        model.load_weights(weights)
-    tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
-    return model, tokenizer, config
 
 
 # ------------------------------------------------------------ decode precision

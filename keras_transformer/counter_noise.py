@@ -16,7 +16,7 @@ generator's state:
 
 The hash is "lowbias32" (C. Wellons, hash-prospector): xor-shifts and two
 multiplications, on int32 whose multiplication wraps around (it does on every
-backend; `tests/portable/test_sampling.py` checks it against numpy's uint32).
+backend; `tests/portable/test_search_options.py` checks it against numpy's uint32).
 """
 
 from keras import ops

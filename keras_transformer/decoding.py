@@ -29,7 +29,7 @@ import keras
 from keras import ops
 
 from keras_transformer.masking import PAD_ID, padding_mask
-from keras_transformer.renamed import renamed_argument
+from keras_transformer.renamed import renamed_arguments
 from keras_transformer.strategies import Beam, Greedy, Sampling, check_options, length_penalty
 
 __all__ = ["EXTRA_OUTPUT_LENGTH", "NextLogits", "Prepared", "Sampling", "beam_search", "cached_decoder",
@@ -59,17 +59,9 @@ def _minimum(a, b):
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else ops.minimum(a, b)
 
 
-def renamed_max_output_length(function, max_output_length, kwargs):
-    """A search's `max_output_length`, or its old name `max_length=` taken from the search's other keyword
-    arguments `kwargs`, with a one-line `DeprecationWarning`; both given: a ValueError naming both; any other
-    keyword: a TypeError. `function` is the search's name, for the messages. The library's searches and the
-    serving engine's (`export.search`) take their old keyword through it."""
-    # stacklevel 4: the warning points at the search's caller (through this function and the search).
-    max_output_length = renamed_argument(function, kwargs, "max_length", "max_output_length", max_output_length,
-                                         stacklevel=4)
-    if kwargs:
-        raise TypeError(f"{function}() got an unexpected keyword argument {next(iter(kwargs))!r}")
-    return max_output_length
+# A search's `max_output_length=` was `max_length=`: the old name is still read (`renamed_arguments`). The
+# library's searches and the serving engine's (`export.search`) take it through this decorator.
+renamed_max_output_length = renamed_arguments(max_length="max_output_length")
 
 
 def _no_gradient():
@@ -157,8 +149,9 @@ def prepare(model, source_ids, max_output_length=None):
 
 
 
+@renamed_max_output_length
 def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
-                  no_repeat_ngram_size=0, **deprecated):
+                  no_repeat_ngram_size=0):
     """Batched greedy decoding with the key/value cache.
 
     Args:
@@ -188,15 +181,15 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, a
     Compile it for speed, e.g. `jax.jit(lambda ids: greedy_decode(model, ids, 2, 3))`
     on JAX or `tf.function(...)` on TensorFlow.
     """
-    max_output_length = renamed_max_output_length("greedy_decode", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, cached_decoder,
                               prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
 
 
+@renamed_max_output_length
 def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_output_length=None,
-                  alpha=0.6, no_repeat_ngram_size=0, **deprecated):
+                  alpha=0.6, no_repeat_ngram_size=0):
     """Batched sampling with the key/value cache: each token drawn from the model's distribution.
 
     The greedy loop with a random choice: at each step a row's token is drawn
@@ -229,7 +222,6 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
                                       temperature=0.8, top_k=10)
     ```
     """
-    max_output_length = renamed_max_output_length("sample_decode", max_output_length, deprecated)
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0 (top_k=1 is greedy decoding), got {temperature}")
     if isinstance(top_k, int) and top_k < 0:
@@ -330,8 +322,9 @@ def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_t
 # -------------------------------------------------------------------- beam
 
 
+@renamed_max_output_length
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None, n_best=None,
-                prefix_ids=None, no_repeat_ngram_size=0, **deprecated):
+                prefix_ids=None, no_repeat_ngram_size=0):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -396,7 +389,6 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     # tokens [batch, 4, steps]: four different translations of each sentence, best first
     ```
     """
-    max_output_length = renamed_max_output_length("beam_search", max_output_length, deprecated)
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_output_length, cached_decoder,

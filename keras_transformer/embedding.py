@@ -6,7 +6,7 @@ import keras
 from keras import ops
 
 from keras_transformer.masking import PAD_ID
-from keras_transformer.renamed import renamed_argument
+from keras_transformer.renamed import renamed_arguments
 
 
 def positional_encoding(positions, d_model, dtype="float32"):
@@ -68,6 +68,7 @@ class PositionalEmbedding(keras.layers.Layer):
     works as the tied output projection (`embedding.token_embedding.embeddings`).
     """
 
+    @renamed_arguments(max_length="max_positions")
     def __init__(
         self,
         vocab_size,
@@ -77,7 +78,6 @@ class PositionalEmbedding(keras.layers.Layer):
         max_positions=None,
         **kwargs,
     ):
-        max_positions = renamed_argument("PositionalEmbedding", kwargs, "max_length", "max_positions", max_positions)
         super().__init__(**kwargs)
         if learned_positions and not max_positions:
             raise ValueError("PositionalEmbedding(learned_positions=True) needs max_positions.")

@@ -5,7 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_transformer.masking import PAD_ID
-from keras_transformer.renamed import renamed_argument
+from keras_transformer.renamed import renamed_arguments
 
 
 def smoothed_cross_entropy(logits, labels, label_smoothing, kl_weight=0.0):
@@ -226,8 +226,8 @@ class MaskedRDropCrossentropy(MaskedSparseCategoricalCrossentropy):
     ```
     """
 
+    @renamed_arguments(alpha="kl_weight")
     def __init__(self, kl_weight=5.0, label_smoothing=0.1, name="masked_r_drop_crossentropy", **kwargs):
-        kl_weight = renamed_argument("MaskedRDropCrossentropy", kwargs, "alpha", "kl_weight", kl_weight, default=5.0)
         if not kl_weight >= 0:
             raise ValueError(f"kl_weight must be 0 or more, got {kl_weight!r}")
         super().__init__(label_smoothing=label_smoothing, name=name, **kwargs)

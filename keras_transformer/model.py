@@ -9,7 +9,7 @@ from keras_transformer.decoder import Decoder
 from keras_transformer.embedding import PositionalEmbedding, saved_max_positions
 from keras_transformer.encoder import Encoder
 from keras_transformer.masking import padding_mask
-from keras_transformer.renamed import renamed_argument
+from keras_transformer.renamed import renamed_arguments
 
 PRESETS = {
     # For tests: builds and trains in seconds.
@@ -84,6 +84,7 @@ class Transformer(keras.Model):
     ```
     """
 
+    @renamed_arguments(max_length="max_positions")
     def __init__(
         self,
         vocab_size=None,
@@ -104,7 +105,6 @@ class Transformer(keras.Model):
         activation_dropout=0.0,
         **kwargs,
     ):
-        max_positions = renamed_argument("Transformer", kwargs, "max_length", "max_positions", max_positions)
         super().__init__(**kwargs)
         given = (vocab_size is not None, source_vocab_size is not None, target_vocab_size is not None)
         if given not in ((True, False, False), (False, True, True)):

@@ -1,8 +1,9 @@
 """Under CI (`CI=true`), a skipped test fails unless its reason is one this project expects to skip for.
 
 A test that skips because a tool is missing (g++, tensorflow-serving-api, matplotlib, a backend's virtualenv,
-Multi30k) would let CI pass having tested nothing of what it needs; `.ci/run` installs those, so there such a
-skip is a failure that names the reason. `EXPECTED_SKIPS` is the one list of skips CI accepts: what cannot be
+Multi30k), or a test module that skips whole as it is collected (a module-level `pytest.importorskip`), would let
+CI pass having tested nothing of what it needs; `.ci/run` installs those, so there such a skip is a failure
+(of the test, or of the module's collection) that names the reason. `EXPECTED_SKIPS` is the one list of skips CI accepts: what cannot be
 installed here, and the skips that are the test's design. `make test` prints every skip's reason (`-rs`).
 
 Loaded by conftest.py (`pytest_plugins`); tests/test_ci_skips.py runs it on a test file of its own.
@@ -40,15 +41,29 @@ def skip_reason(report) -> str:
     return reason.removeprefix("Skipped: ")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+def fail_unexpected_skip(report, what):
+    """Under CI, turns `report` (a skip) into a failure naming its reason, unless the reason is expected."""
     if not (in_ci() and report.skipped) or hasattr(report, "wasxfail"):
         return
     reason = skip_reason(report)
     if expected(reason):
         return
     report.outcome = "failed"
-    report.longrepr = (f"skipped under CI: {reason}\n.ci/run must install what this test needs; a skip that "
+    report.longrepr = (f"skipped under CI{what}: {reason}\n.ci/run must install what this test needs; a skip that "
                        f"cannot be avoided goes on tests/ci_skips.py's EXPECTED_SKIPS, with why.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test's skip: from `pytest.skip` or a skip mark, in its setup or its call."""
+    outcome = yield
+    fail_unexpected_skip(outcome.get_result(), "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole module's skip as it is collected (a module-level `pytest.importorskip`, or `pytest.skip(...,
+    allow_module_level=True)`): no test report ever shows it, so it is caught here, and fails as a collection
+    error (the module's other tests never ran)."""
+    outcome = yield
+    fail_unexpected_skip(outcome.get_result(), " at collection")

@@ -71,6 +71,19 @@ BACKEND_VENVS = {
 }
 
 
+REMOVED_SCRIPTS_HEADING = "## One-off investigation scripts removed from bench/"
+
+
+def removed_bench_scripts():
+    """The names of the scripts that docs/benchmarks-log.md's table "One-off investigation scripts removed from
+    bench/" lists (`ffn_activity.py`, ...): the documentation still cites them, and their commands, from the
+    commits the table names, which hold them."""
+    log = (REPO / "docs" / "benchmarks-log.md").read_text(encoding="utf-8")
+    assert REMOVED_SCRIPTS_HEADING in log, f"docs/benchmarks-log.md has no section {REMOVED_SCRIPTS_HEADING!r}"
+    section = log.split(REMOVED_SCRIPTS_HEADING, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([\w.-]+)` \|", section, re.MULTILINE))
+
+
 def backend_python(backend):
     """The python of `backend`'s virtualenv, to run with KERAS_BACKEND=backend; skips the test when that
     virtualenv has not been made (`make venv-jax`, `make venv-torch`)."""
@@ -126,10 +139,12 @@ def built_once(tmp_path_factory, name, build):
 
 @pytest.fixture(scope="session")
 def quick_model_dir(tmp_path_factory):
-    """A model directory as kt-train writes it, trained in about a minute (see tests/quick_model.py)."""
+    """A model directory as kt-train writes it, trained in about a minute (see bench/quick_model.py)."""
     if not (MULTI30K / "train.en").is_file():
         pytest.skip(f"Multi30k not found in {MULTI30K}")
-    from quick_model import build_quick_model_dir
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # bench/ is no installed package
+    from bench.quick_model import build_quick_model_dir
 
     return built_once(tmp_path_factory, "quick-en-de", lambda folder: build_quick_model_dir(
         folder, MULTI30K, lines=2000, vocab_size=400, steps=200,

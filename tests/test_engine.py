@@ -39,8 +39,9 @@ def test_one_contract_per_search_name():
     """docs/library.md, "The two searches": a name has one meaning. A public function of `export.search` named as
     a public one of `keras_transformer.decoding` or `keras_transformer` is that very function (re-exported:
     `prepare`, `output_bound`, ...); the engine's own searches are named apart, take the library's arguments in
-    its order (names and defaults) and their own options keyword-only (and, as the library's, old argument names
-    in `**deprecated`), and call the decoder step with the library's `NextLogits` order, then the memory."""
+    its order (names and defaults) and their own options keyword-only (and, as the library's, read the old argument
+    names through `renamed_max_output_length`), and call the decoder step with the library's `NextLogits` order,
+    then the memory."""
     from keras_transformer import decoding
 
     library = {name: getattr(decoding, name) for name in decoding.__all__}
@@ -51,9 +52,8 @@ def test_one_contract_per_search_name():
     for engine, library_search in ((engine_greedy_decode, kt.greedy_decode), (engine_beam_search, kt.beam_search)):
         engine_parameters = list(inspect.signature(engine).parameters.values())
         library_parameters = list(inspect.signature(library_search).parameters.values())
-        old_names = inspect.Parameter("deprecated", inspect.Parameter.VAR_KEYWORD)
-        assert engine_parameters[-1] == library_parameters[-1] == old_names, engine.__name__
-        engine_parameters, library_parameters = engine_parameters[:-1], library_parameters[:-1]
+        # Both wrapped by the decorator that reads `max_length=` (decoding.renamed_max_output_length).
+        assert hasattr(engine, "__wrapped__") and hasattr(library_search, "__wrapped__"), engine.__name__
         assert engine_parameters[:len(library_parameters)] == library_parameters, engine.__name__
         assert {p.kind for p in engine_parameters[len(library_parameters):]} == {inspect.Parameter.KEYWORD_ONLY}
     for use_cache in (True, False):
@@ -628,6 +628,8 @@ def test_the_engine_searches_take_their_old_max_length_argument_with_a_deprecati
         assert engine_beam_search(model, source, START, END, beam_size=2, max_length=2)[0].shape == (2, 2)
     with pytest.raises(ValueError, match="got max_output_length=5 and max_length=5: max_length is max_output_length's"):
         engine_greedy_decode(model, source, START, END, max_output_length=5, max_length=5)
+    with pytest.raises(ValueError, match="got max_output_length=None and max_length=2"):  # whatever the values
+        engine_beam_search(model, source, START, END, max_output_length=None, max_length=2)
 
 
 def test_empty_batch_bad_rank_and_a_model_never_called():

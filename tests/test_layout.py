@@ -114,6 +114,30 @@ def test_only_the_cli_imports_training_train():
     assert importers == {}
 
 
+def test_training_imports_export_only_to_decode_as_served():
+    """training/ reaches export/ in two places only, both to decode as the export does: kt-evaluate
+    (training/evaluate.py scores the served graph's output) and the validation BLEU of kt-train --val-bleu
+    (training/callbacks.py, inside the callback). What else training and serving share lives in common/ (the
+    run directory, `load_model_dir`, the tokenizer), as docs/layout.md says."""
+    importers = sorted(str(path.relative_to(REPO)) for path in (REPO / "training").rglob("*.py")
+                       if any(name.split(".")[0] == "export" for name in _imported_modules(path)))
+    assert importers == ["training/callbacks.py", "training/evaluate.py"]
+
+
+def test_the_benchmarks_import_nothing_from_the_tests():
+    """bench/ stands on the project alone: no bench script imports a module of tests/ or puts tests/ on its
+    path (what a benchmark and the tests share lives in bench/, e.g. bench/quick_model.py, or in the packages)."""
+    test_modules = {path.stem for path in (REPO / "tests").rglob("*.py")} | {"tests"}
+    found = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        found += [f"{path.relative_to(REPO)}: imports {name}" for name in sorted(_imported_modules(path))
+                  if name.split(".")[0] in test_modules]
+        found += [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+                  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                  if "sys.path" in line and re.search(r"[\"']tests[\"'/]", line)]
+    assert found == []
+
+
 # A measured figure: a ratio (`2.5x`, `1.7×`, `0.84x`, `2.1-2.6x`, `5x faster`, `3-5x cheaper`, `2 times
 # slower`), a duration written as a number (`40-100 s`, `2-5 s`, `8.5 ms`, `~40 us`, `100-second`), or a
 # percentage that is a speed or a share of the time (`9% slower`, `8% of a step's time`).
@@ -185,13 +209,17 @@ def _keras_private_api_users(paths):
                   if KERAS_PRIVATE_API.search(line))
 
 
+# The project's code: the packages, and the benchmarks (tests/ may reach into anything to test it).
+CODE_FOLDERS = ("keras_transformer", "common", "export", "training", "bench")
+
+
 def test_private_keras_api_is_used_in_one_module():
     """Private Keras API (the attention's weights, options and methods, the trainer's, the optimizer's and
     the backup callback's private state, `keras.src`) is used only in keras_transformer/keras_internals.py,
     labelled with the Keras version and tested use by use in tests/test_keras_internals.py; the library's
-    layer and the serving engine use its public `projections` and `is_plain()`, kt-train its functions."""
-    assert _keras_private_api_users(path for folder in ("keras_transformer", "common", "export", "training")
-                                    for path in (REPO / folder).rglob("*.py")) == []
+    layer, the serving engine and the benchmarks use its public `projections` and `is_plain()`, kt-train its
+    functions."""
+    assert _keras_private_api_users(path for folder in CODE_FOLDERS for path in (REPO / folder).rglob("*.py")) == []
     assert not (REPO / "training" / "keras_internals.py").exists()
     # The check sees each use where keras_internals.py makes it.
     lines = KERAS_INTERNALS.read_text(encoding="utf-8").splitlines()
@@ -203,32 +231,57 @@ def test_private_keras_api_is_used_in_one_module():
         assert any(symbol in line and KERAS_PRIVATE_API.search(line) for line in lines), symbol
 
 
-def _private_imports_from_the_library(path):
-    """`module.name` for each `_`-prefixed name that the file at `path` imports from `keras_transformer` (or
-    reads as an attribute of a `keras_transformer` module it imports)."""
+def _private_imports_from_the_library(path, packages=("keras_transformer",)):
+    """`module.name` for each `_`-prefixed name that the file at `path` imports from `packages` (by default the
+    library, `keras_transformer`), or reads as an attribute of a module of theirs it imports."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found, library_modules = [], set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "keras_transformer":
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
             found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
             library_modules |= {alias.asname or alias.name for alias in node.names}
         elif isinstance(node, ast.Import):
             library_modules |= {(alias.asname or alias.name).split(".")[0] for alias in node.names
-                                if alias.name.split(".")[0] == "keras_transformer"}
+                                if alias.name.split(".")[0] in packages}
     found += [f"{node.value.id}.{node.attr}" for node in ast.walk(tree)
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
               and node.value.id in library_modules and node.attr.startswith("_") and not node.attr.startswith("__")]
     return found
 
 
-def test_the_serving_engine_imports_no_private_name_of_the_library(tmp_path):
+def test_the_serving_engine_and_the_benchmarks_import_no_private_name(tmp_path):
     """`export/` reaches the library through its public names only (the strategies, `SearchOps`,
-    the layers' `projections`), as CTranslate2 never imports its trainer's internals."""
+    the layers' `projections`), as CTranslate2 never imports its trainer's internals; `bench/` reaches the
+    library, training/, export/ and common/ through theirs, as a user's script would."""
     private = {f"{path.relative_to(REPO)}: {name}" for path in sorted((REPO / "export").rglob("*.py"))
                for name in _private_imports_from_the_library(path)}
+    private |= {f"{path.relative_to(REPO)}: {name}" for path in sorted((REPO / "bench").rglob("*.py"))
+                for name in _private_imports_from_the_library(path, ("keras_transformer", "training", "export",
+                                                                     "common", "bench"))}
     assert private == set()
     # The check itself sees such an import.
     probe = tmp_path / "probe.py"
     probe.write_text("from keras_transformer.decoding import _no_gradient\nfrom keras_transformer import decoding\n"
                      "decoding._prepare\n")
     assert _private_imports_from_the_library(probe) == ["keras_transformer.decoding._no_gradient", "decoding._prepare"]
+    probe.write_text("from export.search import _run\nfrom keras_transformer import decoding\n")
+    assert _private_imports_from_the_library(probe, ("keras_transformer", "export")) == ["export.search._run"]
+
+
+# TensorFlow's private API: its `tensorflow.python` package, however it is imported or reached.
+TF_PRIVATE_API = re.compile(r"\btensorflow\.python\b|\bfrom\s+tensorflow\s+import\s+python\b|\btf\.python\b")
+TF_INTERNALS = REPO / "export" / "tf_internals.py"
+
+
+def test_private_tensorflow_api_is_used_in_one_module():
+    """TensorFlow's private API (`tensorflow.python`) is used only in export/tf_internals.py, which says what
+    each use is for and to check them when TensorFlow is upgraded; everything else, the benchmarks too, calls
+    its functions. A failure lists file:line."""
+    users = sorted(f"{path.relative_to(REPO)}:{number}" for folder in CODE_FOLDERS
+                   for path in (REPO / folder).rglob("*.py") if path != TF_INTERNALS
+                   for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                   if TF_PRIVATE_API.search(line))
+    assert users == []
+    # The check sees each use where tf_internals.py makes it.
+    assert sum(bool(TF_PRIVATE_API.search(line)) for line in TF_INTERNALS.read_text(encoding="utf-8").splitlines()
+               if line.lstrip().startswith(("import ", "from "))) == 2

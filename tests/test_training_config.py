@@ -13,6 +13,7 @@ import pytest
 from conftest import COMMAND_ENV, MULTI30K, REPO, SUBPROCESS_ENV, TF_LOG_LINE, multi30k_lines, needs_multi30k
 from conftest import history_rows, two_batch_epochs_args, write_lines
 from training import ONEDNN_ENV
+from keras_transformer.renamed import REMOVED_IN
 from training.config import default, resolve_settings
 
 
@@ -33,8 +34,20 @@ def test_config_precedence(tmp_path):
         resolve_settings(["--config", str(f)])
 
 
-LENGTH_PENALTY_KEY_NOTE = '[kt-train] note: config key "alpha" is now "length_penalty" (read as such)'
-LENGTH_PENALTY_FLAG_NOTE = "[kt-train] note: --alpha is now --length-penalty (read as such)"
+def test_the_dropout_flag_sets_the_models_dropout_with_or_without_a_config_file(tmp_path):
+    """--dropout X is --model-arg dropout=X: it sets the "model" setting's dropout, over the --config file's."""
+    assert resolve_settings(["--dropout", "0.1"]).model == {"dropout": 0.1}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"model": {"dropout": 0.3, "norm_first": True}}))
+    assert resolve_settings(["--config", str(f), "--dropout", "0.1"]).model == {"dropout": 0.1, "norm_first": True}
+    assert resolve_settings(["--model-arg", "num_heads=4", "--dropout", "0.2"]).model == {"num_heads": 4,
+                                                                                         "dropout": 0.2}
+
+
+# How every old name's note ends: when the old name goes (keras_transformer.renamed.REMOVED_IN).
+READ_AS_SUCH = f"(read as such; the old name will be removed in keras-transformer {REMOVED_IN})"
+LENGTH_PENALTY_KEY_NOTE = f'[kt-train] note: config key "alpha" is now "length_penalty" {READ_AS_SUCH}'
+LENGTH_PENALTY_FLAG_NOTE = f"[kt-train] note: --alpha is now --length-penalty {READ_AS_SUCH}"
 
 
 def test_length_penalty_is_read_from_its_old_config_key_and_flag_with_a_note(tmp_path, capsys):
@@ -76,12 +89,12 @@ def test_the_training_pair_limit_is_max_sentence_length_its_old_key_and_flag_sti
     cfg = resolve_settings(["--max-length", "40"])
     assert cfg.max_sentence_length == 40 and "max_length" not in cfg.to_dict()
     assert capsys.readouterr().err.splitlines() == [
-        "[kt-train] note: --max-length is now --max-sentence-length (read as such)"]
+        f"[kt-train] note: --max-length is now --max-sentence-length {READ_AS_SUCH}"]
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"max_length": 256}))
     assert resolve_settings(["--config", str(f)]).max_sentence_length == 256
     assert capsys.readouterr().err.splitlines() == [
-        '[kt-train] note: config key "max_length" is now "max_sentence_length" (read as such)']
+        f'[kt-train] note: config key "max_length" is now "max_sentence_length" {READ_AS_SUCH}']
     with pytest.raises(SystemExit):
         resolve_settings(["--max-length", "40", "--max-sentence-length", "50"])
     assert "--max-length is the old name of --max-sentence-length" in capsys.readouterr().err
@@ -195,8 +208,33 @@ def test_make_train_passes_length_penalty_or_its_old_name_alpha_to_kt_evaluate_a
     assert len(commands) == 2, done.stdout
     assert all((flag in line) if flag else ("--length-penalty" not in line) for line in commands), commands
     assert not any("--alpha" in line for line in commands)
-    note = 'echo "make train: ALPHA is now LENGTH_PENALTY (read as such)"'
+    note = f'echo "make train: ALPHA is now LENGTH_PENALTY {READ_AS_SUCH}"'
     assert (note in lines) == any(v.startswith("ALPHA=") for v in make_vars), done.stdout
+
+
+def test_design_md_is_the_one_list_of_the_old_names_and_says_when_they_go():
+    """docs/design.md, "Names with one meaning, old names still read", lists every old name the project still
+    reads: each old flag and config key of `RENAMED_SETTINGS`, each old keyword the library reads
+    (`renamed_arguments`), make's ALPHA; and the release that removes them, `REMOVED_IN`, later than this one."""
+    import re
+
+    import keras_transformer as kt
+    from common.run_dir import RENAMED_SETTINGS
+
+    design = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    section = design.split("## Names with one meaning, old names still read\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert f"keras-transformer {REMOVED_IN}" in section
+    version = [int(part) for part in kt.__version__.split(".")]
+    assert [int(part) for part in REMOVED_IN.split(".")] > version
+    old_names = {"`ALPHA`"}
+    for old in RENAMED_SETTINGS:
+        old_names |= {f"`--{old.replace('_', '-')}`", f'`"{old}"`'}
+    library = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "keras_transformer").glob("*.py"))
+    keywords = set(re.findall(r"renamed_arguments\((\w+)=", library))
+    assert keywords >= {"max_length", "alpha"}
+    old_names |= {f"{keyword}=" for keyword in keywords}  # `max_length=`, `MaskedRDropCrossentropy(alpha=)`
+    assert [name for name in sorted(old_names) if name not in table] == []
 
 
 def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_run(tmp_path, monkeypatch, capsys):
@@ -219,7 +257,7 @@ def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_ru
         (folder / "config.json").write_text(json.dumps({"training": training}))
     old_run = as_recorded_before_the_renames(run, tmp_path / "old-run")
     common = ["--export-dir", str(tmp_path / "exports"), "--skip-op-check", "--parallel-loops", "1"]
-    note = "kt-export: --alpha is now --length-penalty (read as such)"
+    note = f"kt-export: --alpha is now --length-penalty {READ_AS_SUCH}"
     for folder, flags, expected in [(run, [], (5, 1.3)), (old_run, [], (5, 1.3)), (unrecorded, [], (4, 0.6)),
                                     (run, ["--length-penalty", "0.9"], (5, 0.9)),
                                     (old_run, ["--alpha", "0.8"], (5, 0.8))]:

@@ -13,6 +13,7 @@ import pytest
 from conftest import multi30k_lines as _lines
 from conftest import history_rows, needs_multi30k
 from conftest import write_lines as _write
+from keras_transformer.renamed import REMOVED_IN
 
 SACREBLEU = Path(sys.executable).parent / "sacrebleu"
 pytestmark = needs_multi30k
@@ -401,7 +402,8 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     assert evaluate(common + ["--beam-size", "1", "--alpha", "0.7", "--output", str(tmp_path / "old-flag.de")]) == 0
     scores = json.loads((tmp_path / "old-flag.de.scores.json").read_text())
     assert (scores["beam_size"], scores["length_penalty"]) == (1, 0.7)
-    assert "kt-evaluate: --alpha is now --length-penalty (read as such)" in capsys.readouterr().err.splitlines()
+    assert ("kt-evaluate: --alpha is now --length-penalty (read as such; the old name will be removed in "
+            f"keras-transformer {REMOVED_IN})") in capsys.readouterr().err.splitlines()
     with pytest.raises(SystemExit):
         evaluate(common + ["--alpha", "0.7", "--length-penalty", "0.6"])
     assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err

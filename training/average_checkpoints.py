@@ -83,7 +83,7 @@ def average_weights(model, checkpoint_paths) -> None:
     model.set_weights([t / len(checkpoint_paths) for t in total])
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kt-average-checkpoints", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
@@ -97,7 +97,11 @@ def main(argv=None) -> int:
                    "(highest; recorded by kt-train --val-bleu)")
     p.add_argument("--output", help="output .keras file (default MODEL_DIR/averaged.keras)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     cfg = read_config_or_exit(args.model_dir, "kt-average-checkpoints")
     args.last = recorded_setting(cfg, "average_last", args.last, DEFAULT_AVERAGE_LAST)

@@ -23,6 +23,7 @@ from pathlib import Path
 from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, DEFAULT_AVERAGE_LAST, DEFAULT_BEAM_SIZE,
                             DEFAULT_LENGTH_PENALTY, MODEL_FILENAME, RENAMED_SETTINGS, TOKENIZER_FILENAME,
                             add_renamed_flags, take_renamed_flags)
+from keras_transformer.renamed import renamed_note
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
 from training.errors import ConfigError
 
@@ -67,7 +68,8 @@ class TrainSettings:
         "and the feed-forward's inner activations", "model", shown="the preset's",
         flags=(Flag("--model-arg", dict(action="append", metavar="KEY=VALUE", dest="model_args"),
                     "override a Transformer argument, e.g. --model-arg dropout=0.3 (repeatable)"),
-               Flag("--dropout", dict(type=float, metavar="X"), "shortcut for --model-arg dropout=X")))
+               Flag("--dropout", dict(type=float, metavar="X", dest="dropout"),
+                    "shortcut for --model-arg dropout=X")))
 
     dataset: str = setting(
         "multi30k", "multi30k (read as text) | files | a TFDS name, e.g. ted_hrlr_translate/pt_to_en (prepared "
@@ -300,8 +302,8 @@ def _renamed_keys(file_cfg: dict, config_file) -> dict:
                 raise SystemExit(f"{config_file}: config key \"{old}\" is the old name of \"{renamed.new}\": "
                                  f"give \"{renamed.new}\" only")
             file_cfg[renamed.new] = file_cfg.pop(old)
-            print(f"[kt-train] note: config key \"{old}\" is now \"{renamed.new}\" (read as such)", file=sys.stderr,
-                  flush=True)
+            note = renamed_note(f'config key "{old}"', f'"{renamed.new}"')
+            print(f"[kt-train] note: {note}", file=sys.stderr, flush=True)
     return file_cfg
 
 

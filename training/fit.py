@@ -1,7 +1,7 @@
 """The fit: parallel text -> tokenizer -> batches -> `model.fit` under tf.distribute -> a model directory.
 
-`train(settings)` runs a whole kt-train run from a resolved configuration
-(`training.config.resolve_config`); `build_and_compile` is the model and
+`train(settings)` runs a whole kt-train run from its resolved settings
+(`training.config.resolve_settings`); `build_and_compile` is the model and
 compile step alone (benchmarks use it to compile exactly as training does).
 """
 

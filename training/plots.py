@@ -35,8 +35,7 @@ quiet_import_for_commands(__name__)
 import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
-from common.run_dir import max_source_length, read_config  # noqa: E402
-from export.translator import load_model_dir  # noqa: E402
+from common.run_dir import load_model_dir, max_source_length, read_config  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID  # noqa: E402
 from common.tokenizer import decode_output, encode_source  # noqa: E402
 

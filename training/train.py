@@ -23,7 +23,7 @@ os.environ.setdefault(ONEDNN_ENV, "1")
 # Before TensorFlow is imported: as a command, its C++ log lines stay out of the terminal (common/native_logs.py).
 quiet_import_for_commands(__name__)
 
-from training.config import resolve_settings  # noqa: E402
+from training.config import build_parser, resolve_settings  # noqa: E402,F401  (build_parser: kt-train's parser)
 from training.errors import BackupError, ConfigError, DataError  # noqa: E402
 from training.fit import train  # noqa: E402
 

@@ -204,6 +204,9 @@ def test_the_searches_take_their_old_max_length_argument_as_max_output_length_wi
             assert to_numpy(search(model, source, START, END, max_length=2)[0]).shape == (2, 2)
     with pytest.raises(ValueError, match="got max_output_length=5 and max_length=5: max_length is max_output_length's"):
         kt.greedy_decode(model, source, START, END, max_output_length=5, max_length=5)
+    # Both names given is refused whatever the values: the new one at its default (None) too.
+    with pytest.raises(ValueError, match="got max_output_length=None and max_length=5"):
+        kt.beam_search(model, source, START, END, max_output_length=None, max_length=5)
     with pytest.raises(TypeError, match=r"beam_search\(\) got an unexpected keyword argument 'max_len'"):
         kt.beam_search(model, source, START, END, max_len=5)
 

@@ -240,6 +240,9 @@ def test_r_drop_loss_takes_its_old_alpha_argument_as_kl_weight_with_a_deprecatio
     assert float(old(labels, logits)) == pytest.approx(_r_drop_reference(labels, logits, 0.1, 2.0), rel=1e-5)
     with pytest.raises(ValueError, match="alpha is kl_weight's old name, give kl_weight only"):
         kt.MaskedRDropCrossentropy(kl_weight=1.0, alpha=2.0)
+    # Both names are refused whatever the values, the default's value too (kl_weight=5.0 is its default).
+    with pytest.raises(ValueError, match="got kl_weight=5.0 and alpha=2: alpha is kl_weight's old name"):
+        kt.MaskedRDropCrossentropy(kl_weight=5.0, alpha=2)
 
 
 def test_r_drop_loss_loads_a_config_saved_with_alpha():

@@ -1,6 +1,7 @@
 """Every class round-trips through get_config and .keras files, inside users' own models."""
 
 import json
+import re
 import warnings
 import zipfile
 
@@ -105,7 +106,8 @@ def test_build_creates_every_weight_before_the_first_call():
 
 def test_transformer_takes_its_old_max_length_argument_as_max_positions_with_a_deprecation_warning():
     tiny = dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], learned_positions=True)
-    message = r"^Transformer\(max_length=\.\.\.\) is now Transformer\(max_positions=\.\.\.\) \(read as such\)$"
+    message = (r"^Transformer\(max_length=\.\.\.\) is now Transformer\(max_positions=\.\.\.\) \(read as such; "
+               r"the old name will be removed in keras-transformer 0\.3\.0\)$")
     with pytest.warns(DeprecationWarning, match=message) as caught:
         old = kt.Transformer(**tiny, max_length=8)
     # The warning points at the call that used the old name.
@@ -120,6 +122,33 @@ def test_transformer_takes_its_old_max_length_argument_as_max_positions_with_a_d
     assert layer.max_positions == 9 and "max_length" not in layer.get_config()
     with pytest.raises(ValueError, match="max_length is max_positions's old name, give max_positions only"):
         kt.PositionalEmbedding(VOCAB, D_MODEL, learned_positions=True, max_positions=9, max_length=9)
+    # Both names given is refused whatever the values: the new one at its default too.
+    with pytest.raises(ValueError, match="got max_positions=None and max_length=9"):
+        kt.PositionalEmbedding(VOCAB, D_MODEL, learned_positions=True, max_positions=None, max_length=9)
+    with pytest.raises(ValueError, match="got max_positions=None and max_length=8"):
+        kt.Transformer(VOCAB, learned_positions=True, max_positions=None, max_length=8)
+
+
+def test_an_old_keyword_beside_its_new_name_is_refused_whatever_the_values():
+    """`renamed_arguments` sees whether the new name was passed, not whether its value differs from the
+    default: `kl_weight=5.0, alpha=2` (5.0 the default) is refused, as is the new name given by position."""
+    from keras_transformer.renamed import REMOVED_IN, renamed_arguments
+
+    @renamed_arguments(alpha="kl_weight")
+    def loss(kl_weight=5.0, label_smoothing=0.1):
+        return kl_weight, label_smoothing
+
+    for call in (lambda: loss(kl_weight=5.0, alpha=2), lambda: loss(5.0, alpha=2)):
+        with pytest.raises(ValueError, match=r"^loss got kl_weight=5\.0 and alpha=2: alpha is kl_weight's old name, "
+                                             r"give kl_weight only$"):
+            call()
+    with pytest.warns(DeprecationWarning, match=rf"^loss\(alpha=\.\.\.\) is now loss\(kl_weight=\.\.\.\) \(read as "
+                                                rf"such; the old name will be removed in keras-transformer "
+                                                rf"{re.escape(REMOVED_IN)}\)$"):
+        assert loss(alpha=2, label_smoothing=0.0) == (2, 0.0)
+    assert loss() == (5.0, 0.1) and loss(kl_weight=1.0) == (1.0, 0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beta'"):
+        loss(beta=1)
 
 
 def _no_max_length_warning(load):

@@ -1,8 +1,8 @@
 """A small translator trained in about a minute, laid out like kt-train's output
-(model.keras, tokenizer.model, config.json): a test fixture (conftest's
-`quick_model_dir`), also used by bench/decode_throughput.py.
+(model.keras, tokenizer.model, config.json): the model bench/decode_throughput.py
+measures without --model-dir, and the tests' (tests/conftest.py's `quick_model_dir`).
 
-    python tests/quick_model.py --data-dir ../shared/data/multi30k --model-dir /tmp/quick-en-de
+    python bench/quick_model.py --data-dir ../shared/data/multi30k --model-dir /tmp/quick-en-de
 
 It is a "tiny" Transformer trained for a few hundred steps on the first lines
 of Multi30k: its translations are poor, but they end with the end id like a
@@ -17,16 +17,18 @@ import sys
 import time
 from pathlib import Path
 
-import keras
-import sentencepiece as spm
-import tensorflow as tf
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME
-from keras_transformer.text import read_lines, train_sentencepiece, vocab_size_of
-from common.tokenizer import make_tokenizer
-from training.config import TrainSettings, write_config
-from training.fit import build_and_compile
-from training.pipeline import make_batches
+import keras  # noqa: E402
+import sentencepiece as spm  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from common.run_dir import MODEL_FILENAME, TOKENIZER_FILENAME  # noqa: E402
+from keras_transformer.text import read_lines, train_sentencepiece, vocab_size_of  # noqa: E402
+from common.tokenizer import make_tokenizer  # noqa: E402
+from training.config import TrainSettings, write_config  # noqa: E402
+from training.fit import build_and_compile  # noqa: E402
+from training.pipeline import make_batches  # noqa: E402
 
 
 def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang="de", lines=2000, vocab_size=400,
@@ -67,9 +69,8 @@ def build_quick_model_dir(model_dir, data_dir, *, source_lang="en", target_lang=
     return model_dir
 
 
-def main(argv=None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    p = argparse.ArgumentParser(prog="python tests/quick_model.py", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/quick_model.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default="../shared/data/multi30k", help="raw Multi30k directory")
     p.add_argument("--model-dir", required=True)
@@ -79,7 +80,12 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=400)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--preset", default="tiny")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
     t0 = time.time()
     build_quick_model_dir(args.model_dir, args.data_dir, source_lang=args.source_lang, target_lang=args.target_lang,
                           lines=args.lines, vocab_size=args.vocab_size, steps=args.steps, preset=args.preset)
