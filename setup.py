@@ -15,7 +15,7 @@ setup(
     # The library (keras_transformer/) runs on any Keras 3 backend: JAX, PyTorch or TensorFlow. The backend is
     # the user's to install (the `jax` extra, a torch wheel, or the `tensorflow` extra); see the README.
     install_requires=[
-        # keras_transformer/keras_internals.py uses private Keras API written for 3.15: recheck it before widening this.
+        # keras_transformer/ and training/keras_internals.py use private Keras API written for 3.15: recheck them first.
         "keras>=3.15,<3.16",
         "numpy",
         "sentencepiece>=0.2",

@@ -1,36 +1,31 @@
-"""Every use of private Keras API in the project, written for Keras 3.15 (setup.py pins keras>=3.15,<3.16).
+"""The library's uses of private Keras API, written for Keras 3.15 (setup.py pins keras>=3.15,<3.16).
 
 On a Keras upgrade, run tests/test_keras_internals.py first: it has one test per use below, each checking
 the Keras behaviour that the use relies on (not only that our code still runs), so a failure names the use to
-rework. No other module of keras_transformer/, training/ or export/ reads a private Keras attribute, overrides
-a private Keras method or imports `keras.src` (tests/test_layout.py checks it).
+rework. kt-train's own uses (its backups, progress bar, an epoch's end) are in training/keras_internals.py; no
+other module of keras_transformer/, training/, export/, common/ or bench/ reads a private Keras attribute,
+overrides a private Keras method or imports `keras.src` (tests/test_layout.py checks it).
 
 Two groups:
 
-- The attention layer (the library, on every backend). Keras keeps `MultiHeadAttention`'s four projections,
+- The attention layer (on every backend). Keras keeps `MultiHeadAttention`'s four projections,
   its options, its dropout layer and its mask rules in private attributes and methods, and computes the
   attention of the projected heads in a private method. The library's `MultiHeadAttention`
   (keras_transformer/attention.py) computes with those weights (`keras_transformer.linear`) through its public
   `projections` and `is_plain()`, which read them here, and implements `MultiHeadAttentionWithHook`'s public
   hook in place of the private method.
-- kt-train's `fit()` (the TensorFlow backend, used by training/fit.py, keras_transformer/distributed.py and
-  training/callbacks.py): workarounds for Keras 3.15's trainer, its optimizer's all-reduce and its backup
-  callback. This module never imports TensorFlow at module level (`import keras_transformer` must not load it
-  on JAX or PyTorch): what needs it imports it inside the function.
+- The training step for tf.distribute, `kt.UpdateStep` (keras_transformer/distributed.py, which kt-train uses
+  too; the TensorFlow backend): workarounds for Keras 3.15's trainer and its optimizer's all-reduce. This
+  module never imports TensorFlow at module level (`import keras_transformer` must not load it on JAX or
+  PyTorch): what needs it imports it inside the function.
 
 Covered further by tests/test_training_updates.py (the summed gradients, the loss tracker, the builds under
 MirroredStrategy and MultiWorkerMirroredStrategy), tests/test_training_config.py (an epoch of unknown length),
-tests/test_backup_faults.py and tests/test_training_distributed.py (the backups), tests/test_backends.py and
-tests/portable/test_attention.py (the attention layer on every backend).
+tests/test_backends.py and tests/portable/test_attention.py (the attention layer on every backend).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import shutil
-import warnings
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import keras
@@ -126,7 +121,8 @@ class MultiHeadAttentionWithHook(keras.layers.MultiHeadAttention):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kt-train's fit() (the TensorFlow backend). TensorFlow is imported inside the functions that need it.
+# The training step for tf.distribute (the TensorFlow backend). TensorFlow is imported inside the functions
+# that need it.
 
 
 def build_fit_state_now(model, data_batch) -> None:
@@ -197,132 +193,6 @@ def no_step_without_data(model) -> None:
 
     wrapped.__wrapped__ = step  # inspect.unwrap(model.train_step) finds the step
     model.train_step = wrapped
-
-
-# What Keras 3.15's EpochIterator warns when a dataset of unknown length (bucketed batches) runs out.
-RAN_OUT_OF_DATA = "Your input ran out of data"
-
-
-@contextlib.contextmanager
-def ignoring_ran_out_of_data():
-    """Silences `RAN_OUT_OF_DATA` inside the block (Keras 3.15: the private
-    `EpochIterator.catch_stop_iteration`, which warns through `_interrupted_warning`).
-
-    Bucketed batches have no length known in advance, so fit() and evaluate()
-    learn an epoch's length by running out of data once, and Keras warns as if
-    that were a mistake. Other warnings pass.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=RAN_OUT_OF_DATA)
-        yield
-
-
-class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
-    """`keras.callbacks.BackupAndRestore` with its private state (Keras 3.15) under public names.
-
-    Keras 3.15 keeps the backup's paths in `_weights_path`, `_training_metadata_path`, `_prev_weights_path`
-    and `_prev_training_metadata_path`, the metadata its `_save_model` writes in `_current_epoch` and
-    `_last_batch_seen`, and writes every backup through `_save_model` (from `on_epoch_end`, and from
-    `on_train_batch_end` when `save_freq` is a number). `save_backup()` replaces that private `_save_model()`;
-    subclasses override `save_backup` and read the paths and counters below. `load_backup` restores as the
-    private `_load_model` does, which sets the private `model._initial_epoch` that fit() starts at.
-    """
-
-    @property
-    def weights_path(self) -> Path:
-        return Path(self._weights_path)
-
-    @property
-    def metadata_path(self) -> Path:
-        return Path(self._training_metadata_path)
-
-    @property
-    def previous_paths(self) -> list[tuple[Path, Path]]:
-        """(current, previous) pairs for the weights and the metadata, when `double_checkpoint` is on."""
-        if not self.double_checkpoint:
-            return []
-        return [(self.weights_path, Path(self._prev_weights_path)),
-                (self.metadata_path, Path(self._prev_training_metadata_path))]
-
-    @property
-    def current_epoch(self) -> int:
-        return self._current_epoch
-
-    @current_epoch.setter
-    def current_epoch(self, epoch: int) -> None:
-        # Keras 3.15 leaves this at 0 after a resume until the first epoch ends, so a second
-        # crash during the resumed epoch would record (and restart at) epoch 0.
-        self._current_epoch = epoch
-
-    @property
-    def last_batch_seen(self) -> int:
-        return self._last_batch_seen
-
-    @last_batch_seen.setter
-    def last_batch_seen(self, batch: int) -> None:
-        # Keras 3.15 sets it in `_should_save_on_batch`, which a subclass that decides itself when to save
-        # (overriding `on_train_batch_end`) no longer calls; `on_epoch_end` resets it to 0.
-        self._last_batch_seen = batch
-
-    def _save_model(self):
-        self.save_backup()
-
-    def load_backup(self, weights_path, metadata_path) -> dict:
-        """Restores the model (and optimizer) from one backup pair as Keras' `_load_model` does,
-        and sets the epoch `fit` starts at; returns the metadata. Raises if either file is unreadable, or if
-        the two are of different optimizer steps."""
-        meta = json.loads(Path(metadata_path).read_text())
-        epoch = int(meta["epoch"])
-        if self.model.optimizer is not None and not self.model.optimizer.built:
-            self.model.optimizer.build(self.model.trainable_variables)
-        weights_path = Path(weights_path)
-        if weights_path.name.endswith(".weights.h5"):
-            self.model.load_weights(str(weights_path))
-        else:  # the previous backup (".bkp"): Keras reads weights only from a file named *.weights.h5
-            readable = weights_path.with_name("restore.weights.h5")
-            shutil.copyfile(weights_path, readable)
-            try:
-                self.model.load_weights(str(readable))
-            finally:
-                readable.unlink()
-        if "step" in meta:
-            # A pair is written and rotated one file after the other, so a kill between the two leaves new weights
-            # beside old metadata (or the reverse): refused, as an unreadable pair is, so the other pair is used.
-            loaded = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-            if loaded != int(meta["step"]):
-                raise ValueError(f"its weights are of optimizer step {loaded}, its metadata "
-                                 f"({Path(metadata_path).name}) of step {meta['step']}: a pair cut in two")
-        self.model._initial_epoch = epoch
-        return meta
-
-    def save_backup(self):
-        super()._save_model()
-
-
-class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):
-    """Keras' progress bar for a run bounded by updates alone: "Epoch 2 (to update 8,060)", not "Epoch 2/1000000".
-
-    fit() needs an epoch count, and such a run gives it a stand-in that is never
-    reached (`training.fit.NO_EPOCH_LIMIT`). Keras 3.15's `ProgbarLogger`
-    prints its "Epoch N/M" line only when its `epochs` attribute (set from fit's
-    epochs in `set_params`; public-named, but internal state) is above 1, and
-    reads that attribute for nothing else; this sets it to 1 and prints its own
-    line. Passed to fit() among the callbacks, it takes the place of the progress
-    bar Keras would add (`CallbackList` adds one only when none is given).
-    """
-
-    def __init__(self, max_updates: int):
-        super().__init__()
-        self.max_updates = max_updates
-
-    def set_params(self, params):
-        super().set_params(params)
-        self.epochs = 1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        super().on_epoch_begin(epoch, logs)
-        if self.verbose:
-            print(f"Epoch {epoch + 1} (to update {self.max_updates:,})", flush=True)
 
 
 def apply_summed_gradients(optimizer) -> None:

@@ -1,4 +1,5 @@
-"""The Keras behaviour behind each use of private Keras API (keras_transformer/keras_internals.py), one test per use.
+"""The Keras behaviour behind each use of private Keras API (keras_transformer/keras_internals.py, the library's, and
+training/keras_internals.py, kt-train's), one test per use.
 
 Each test checks Keras itself, as Keras 3.15 behaves, not only that our code runs: should one fail after a
 Keras upgrade, the behaviour that the use named in the test relies on changed, and the use with it. The
@@ -18,21 +19,19 @@ import pytest
 from conftest import REPO, distributed_env
 from keras_transformer import keras_internals
 from keras_transformer.keras_internals import (
-    RAN_OUT_OF_DATA,
-    BackupAndRestoreState,
     MultiHeadAttentionWithHook,
-    UpdateBoundProgbar,
     apply_summed_gradients,
     attention_dropout_layer,
     attention_is_plain,
     attention_mask_of_call,
     attention_projections,
     build_fit_state_now,
-    ignoring_ran_out_of_data,
     loss_tracker,
     no_step_without_data,
     rank1_step_logs,
 )
+from training import keras_internals as training_keras_internals
+from training.keras_internals import RAN_OUT_OF_DATA, BackupAndRestoreState, UpdateBoundProgbar, ignoring_ran_out_of_data
 
 to_numpy = keras.ops.convert_to_numpy
 tensorflow_only = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
@@ -499,11 +498,12 @@ def test_fit_logs_as_loss_the_result_of_the_private_loss_tracker():
 
 
 def test_every_use_has_a_test_here():
-    """Every function and class of keras_internals (each a use of private Keras API; `AttentionProjections` is
-    the tuple `attention_projections` returns) is named in the docstring of a test of this file."""
-    uses = {name for name, value in vars(keras_internals).items()
-            if not name.startswith("_") and getattr(value, "__module__", None) == keras_internals.__name__}
+    """Every function and class of both keras_internals modules (each a use of private Keras API;
+    `AttentionProjections` is the tuple `attention_projections` returns) is named in the docstring of a test of
+    this file."""
+    uses = {name for module in (keras_internals, training_keras_internals) for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__}
     docstrings = " ".join(test.__doc__ for name, test in globals().items()
                           if name.startswith("test_") and name != "test_every_use_has_a_test_here")
-    assert {"attention_projections", "loss_tracker"} <= uses
+    assert {"attention_projections", "loss_tracker", "BackupAndRestoreState"} <= uses
     assert sorted(u for u in uses - {"AttentionProjections"} if f"`{u}" not in docstrings) == []

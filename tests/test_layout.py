@@ -200,11 +200,12 @@ KERAS_PRIVATE_API = re.compile(
     r"\b_save_model\b|\b_load_model\b|\._(?:prev_)?(?:weights|training_metadata)_path\b|"  # BackupAndRestore
     r"\._current_epoch\b|\._last_batch_seen\b|_should_save_on_batch\b|"
     r"\bkeras\.src\b|\bkeras\s+import\s+src\b")
-KERAS_INTERNALS = REPO / "keras_transformer" / "keras_internals.py"
+# One module per package that needs any: the library's (the attention, kt.UpdateStep) and kt-train's.
+KERAS_INTERNALS = [REPO / "keras_transformer" / "keras_internals.py", REPO / "training" / "keras_internals.py"]
 
 
 def _keras_private_api_users(paths):
-    return sorted(f"{path.relative_to(REPO)}:{number}" for path in paths if path != KERAS_INTERNALS
+    return sorted(f"{path.relative_to(REPO)}:{number}" for path in paths if path not in KERAS_INTERNALS
                   for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
                   if KERAS_PRIVATE_API.search(line))
 
@@ -215,20 +216,23 @@ CODE_FOLDERS = ("keras_transformer", "common", "export", "training", "bench")
 
 def test_private_keras_api_is_used_in_one_module():
     """Private Keras API (the attention's weights, options and methods, the trainer's, the optimizer's and
-    the backup callback's private state, `keras.src`) is used only in keras_transformer/keras_internals.py,
-    labelled with the Keras version and tested use by use in tests/test_keras_internals.py; the library's
+    the backup callback's private state, `keras.src`) is used only in keras_transformer/keras_internals.py (the
+    library's uses) and training/keras_internals.py (kt-train's), each labelled with the Keras version and
+    tested use by use in tests/test_keras_internals.py; the library's
     layer, the serving engine and the benchmarks use its public `projections` and `is_plain()`, kt-train its
     functions."""
     assert _keras_private_api_users(path for folder in CODE_FOLDERS for path in (REPO / folder).rglob("*.py")) == []
-    assert not (REPO / "training" / "keras_internals.py").exists()
-    # The check sees each use where keras_internals.py makes it.
-    lines = KERAS_INTERNALS.read_text(encoding="utf-8").splitlines()
-    for symbol in ("layer._query_dense", "_use_gate", "layer._dropout_layer", "layer._compute_attention_mask",
-                   "def _compute_attention", "model._maybe_symbolic_build", "optimizer._all_reduce_sum_gradients",
-                   "model._loss_tracker", "model._initial_epoch", "self._weights_path", "self._prev_weights_path",
-                   "self._training_metadata_path", "self._current_epoch", "self._last_batch_seen",
-                   "def _save_model"):
-        assert any(symbol in line and KERAS_PRIVATE_API.search(line) for line in lines), symbol
+    # The check sees each use where the two modules make it: the library's, then kt-train's.
+    library, trainer = (path.read_text(encoding="utf-8").splitlines() for path in KERAS_INTERNALS)
+    for lines, symbols in ((library, ("layer._query_dense", "_use_gate", "layer._dropout_layer",
+                                      "layer._compute_attention_mask", "def _compute_attention",
+                                      "model._maybe_symbolic_build", "optimizer._all_reduce_sum_gradients",
+                                      "model._loss_tracker")),
+                           (trainer, ("model._initial_epoch", "self._weights_path", "self._prev_weights_path",
+                                      "self._training_metadata_path", "self._current_epoch",
+                                      "self._last_batch_seen", "def _save_model"))):
+        for symbol in symbols:
+            assert any(symbol in line and KERAS_PRIVATE_API.search(line) for line in lines), symbol
 
 
 def _private_imports_from_the_library(path, packages=("keras_transformer",)):

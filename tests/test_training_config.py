@@ -776,7 +776,7 @@ def test_r_drop_compiles_its_loss_records_its_weight_and_validates_with_the_plai
     from training.errors import ConfigError
     from training.data import load_text_pairs
     from training.fit import compile_model, data_spec, train
-    from keras_transformer.keras_internals import ignoring_ran_out_of_data
+    from training.keras_internals import ignoring_ran_out_of_data
     from training.pipeline import make_batches
 
     with pytest.raises(ConfigError, match="--r-drop"):

@@ -18,7 +18,7 @@ from keras_transformer.text import END_ID, START_ID
 from training import average_checkpoints
 from training.config import resolve_settings
 from training.fit import compile_model, train
-from keras_transformer.keras_internals import ignoring_ran_out_of_data
+from training.keras_internals import ignoring_ran_out_of_data
 from training.pipeline import make_batches
 from keras_transformer.distributed import UpdateStep
 

@@ -22,7 +22,7 @@ from common.tokenizer import decode_output, encode_source
 from keras_transformer.text import END_ID, START_ID
 from common.run_dir import UPDATE_CHECKPOINT_PATTERN
 from training.errors import BackupError
-from keras_transformer.keras_internals import BackupAndRestoreState
+from training.keras_internals import BackupAndRestoreState
 from keras_transformer.distributed import UpdateStep
 
 

@@ -24,7 +24,7 @@ import keras_transformer as kt
 from common.run_dir import (CHECKPOINT_DIR, CHECKPOINT_PATTERN, MODEL_FILENAME, TOKENIZER_FILENAME, epoch_checkpoints,
                             read_config, update_checkpoints)
 from common.tokenizer import make_tokenizer
-from keras_transformer.keras_internals import UpdateBoundProgbar, build_fit_state_now, ignoring_ran_out_of_data
+from keras_transformer.keras_internals import build_fit_state_now
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
@@ -33,6 +33,7 @@ from training.data import DataSpec, iterate_text, load_text_pairs
 from training.distribute import make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_init_weights
+from training.keras_internals import UpdateBoundProgbar, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
 from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
