@@ -8,7 +8,7 @@
         --compare-text /tmp/kt-synthetic/synthetic-4500000-rev.en /tmp/kt-synthetic/synthetic-4500000-rev.de
 
 Measures kt-train's input pipeline for `--prepared DIR` alone, no model:
-`training.prepared.prepared_dataset` over all of the corpus's shards (one
+`training.prepared_corpus.prepared_dataset` over all of the corpus's shards (one
 worker, one replica), in target tokens per second: the non-padding tokens of
 `target_out`. They are counted in the graph, `ds.take(n).map(count).reduce(...)`,
 so no Python loop over the batches adds its own cost; each run builds a new
@@ -32,7 +32,7 @@ slower.
 
 The shuffle check (skip it with `--no-shuffle-check`), for a corpus made by
 `bench/synthetic_corpus.py --reverse-second-half` from Multi30k: for each of
-`--shuffle-epochs` epochs of `training.prepared.stream_batches` (the generator
+`--shuffle-epochs` epochs of `training.prepared_corpus.stream_batches` (the generator
 behind `prepared_dataset`; an epoch is one pass over every shard, each in a new
 order), the share of the pairs in its first `--shuffle-batches` batches that
 come from the second half of the corpus's lines, where every word is reversed.
@@ -112,7 +112,7 @@ def shuffle_check(corpus, *, tokens_per_replica: int, max_sentence_length: int, 
     import sentencepiece as spm
 
     from keras_transformer.text import PAD_ID
-    from training.prepared import PreparedCorpus, stream_batches
+    from training.prepared_corpus import PreparedCorpus, stream_batches
 
     lowercase = bool(corpus.manifest["vocabulary"].get("lowercase"))
     lang = corpus.manifest["source_lang"]
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     from common.tokenizer import make_tokenizer
-    from training.prepared import open_prepared, prepared_dataset, steps_per_epoch
+    from training.prepared_corpus import open_prepared, prepared_dataset, steps_per_epoch
 
     corpus = open_prepared(args.prepared)
     shards = list(range(len(corpus.shards)))

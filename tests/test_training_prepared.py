@@ -31,7 +31,7 @@ from training import prepare as prepare_module
 from training.errors import ConfigError, DataError, LineCountMismatchError
 from training.pipeline import bucket_boundaries
 from training.prepare import build_parser, prepare
-from training.prepared import (MANIFEST_FILENAME, open_prepared, stream_batches, steps_per_epoch,
+from training.prepared_corpus import (MANIFEST_FILENAME, open_prepared, stream_batches, steps_per_epoch,
                                worker_shards)
 from training.text_files import iter_parallel_chunks
 

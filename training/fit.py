@@ -35,7 +35,7 @@ from training.errors import ConfigError
 from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import UpdateBoundProgbar, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
-from training.prepared import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
+from training.prepared_corpus import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
 from training.precision import choose_policy
 from keras_transformer.distributed import UpdateStep
 
@@ -96,7 +96,7 @@ def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool) -
     own if it has one (a resumed run), else --tokenizer's (or --init-from's), else trained as kt-train trains
     one; a finished preparation is reused, a killed one starts again."""
     from training.prepare import parse_args, prepare
-    from training.prepared import MANIFEST_FILENAME
+    from training.prepared_corpus import MANIFEST_FILENAME
 
     out = model_dir / RUN_PREPARED_DIR
     if is_chief:

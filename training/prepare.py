@@ -10,7 +10,7 @@ all their lines (`--vocab-sample`, sentencepiece's reservoir sampling, on all
 the machine's cores); every pair is tokenized once and dealt to a random shard
 (a file per shard, appended to), and each shard is then shuffled on its own,
 so that each shard, and any run of pairs read from one, is a uniform random
-sample of the whole. The format is `training/prepared.py`'s.
+sample of the whole. The format is `training/prepared_corpus.py`'s.
 
 Run again with the same command, a finished directory is left as it is; a
 killed one is prepared again from the start, keeping its vocabulary when that
@@ -42,7 +42,7 @@ from keras_transformer.text import (check_special_ids, lowercases, read_tokenize
                                    train_sentencepiece, vocab_size_of)
 from training.config import add_setting_flags, default  # noqa: E402
 from training.errors import ConfigError, DataError  # noqa: E402
-from training.prepared import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME, file_sha256,  # noqa: E402
+from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME, file_sha256,  # noqa: E402
                                write_json_atomically)
 from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chunks  # noqa: E402
 
