@@ -243,7 +243,7 @@ def build_decode_fn(config, decoding, model, hub_model, args):
         def decode(src):
             if decoding == "greedy":
                 return greedy_decode(model, src, START_ID, NEVER_ID, max_output_length=n)[0]
-            return beam_search(model, src, START_ID, NEVER_ID, beam_size=k, alpha=0.6, max_output_length=n)[0]
+            return beam_search(model, src, START_ID, NEVER_ID, beam_size=k, length_penalty=0.6, max_output_length=n)[0]
 
         return decode
 

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     def saved_and_loaded(**options):
         """The float32 export's SavedModel signatures, saved and loaded back as TF Serving loads them."""
         translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, beam_size=args.beam_size,
-                                               alpha=args.alpha, precision="float32", parallel_loops="auto",
+                                               length_penalty=args.alpha, precision="float32", parallel_loops="auto",
                                                **options)
         with tempfile.TemporaryDirectory() as tmp:
             translator.save(Path(tmp) / "1")
@@ -165,21 +165,21 @@ def main(argv=None) -> int:
     model = engine_model(model, "float32")
     beam, alpha, ngram = args.beam_size, args.alpha, args.no_repeat_ngram_size
     library = {
-        "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, alpha=alpha)),
+        "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, length_penalty=alpha)),
         "beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam, alpha)),
         "n_best": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam, alpha, n_best=beam)),
         "beam_prefix": tf.function(lambda s, prefix: kt.beam_search(model, s, START_ID, END_ID, beam, alpha,
                                                                     prefix_ids=prefix)),
-        "greedy_prefix": tf.function(lambda s, prefix: kt.greedy_decode(model, s, START_ID, END_ID, alpha=alpha,
+        "greedy_prefix": tf.function(lambda s, prefix: kt.greedy_decode(model, s, START_ID, END_ID, length_penalty=alpha,
                                                                         prefix_ids=prefix)),
         "sample": tf.function(lambda s, seed: kt.sample_decode(model, s, START_ID, END_ID, seed=seed,
-                                                               temperature=1.0, top_k=0, alpha=alpha)),
-        "no_repeat_greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, alpha=alpha,
+                                                               temperature=1.0, top_k=0, length_penalty=alpha)),
+        "no_repeat_greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, length_penalty=alpha,
                                                                    no_repeat_ngram_size=ngram)),
         "no_repeat_beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam, alpha,
                                                                no_repeat_ngram_size=ngram)),
     }
-    engine_greedy = tf.function(lambda s: search.engine_greedy_decode(model, s, START_ID, END_ID, alpha=alpha))
+    engine_greedy = tf.function(lambda s: search.engine_greedy_decode(model, s, START_ID, END_ID, length_penalty=alpha))
 
     def texts(tokens):
         """The library's tokens `[batch, length]` detokenized as the export detokenizes its own."""

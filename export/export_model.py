@@ -39,6 +39,7 @@ from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
 from export.translator import decode_loops, decode_policy  # noqa: E402
+from keras_transformer.renamed import renamed_arguments  # noqa: E402
 from common.run_dir import (DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, add_renamed_flags, read_config_or_exit,  # noqa: E402
                             recorded_setting, take_renamed_flags)
 
@@ -75,11 +76,12 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
     return path
 
 
-def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, alpha=0.6,
+@renamed_arguments(alpha="length_penalty")
+def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, length_penalty=0.6,
            use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto",
            no_repeat_ngram_size=0) -> Path:
-    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `alpha`: the length penalty's exponent (Wu et al.,
-    2016; kt-export's --length-penalty); `parallel_loops`: see `decode_loops`; `no_repeat_ngram_size`: see
+    """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `length_penalty`: the length penalty's exponent
+    alpha (Wu et al., 2016; kt-export's --length-penalty; `alpha=` is its old name); `parallel_loops`: see `decode_loops`; `no_repeat_ngram_size`: see
     `Translator`."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,7 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
     target = base / str(version)
     if target.exists():
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
-    translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, alpha=alpha,
+    translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, length_penalty=length_penalty,
                                            use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch,
                                            parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
     print(f"kt-export: {loops} decoding loop{'s' if loops > 1 else ''} per batch: {loops_reason}.", flush=True)
     try:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
-                      model_file=args.model_file, beam_size=args.beam_size, alpha=args.length_penalty,
+                      model_file=args.model_file, beam_size=args.beam_size, length_penalty=args.length_penalty,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
                       xla_max_batch=args.xla_max_batch, parallel_loops=loops,
                       no_repeat_ngram_size=args.no_repeat_ngram_size)

@@ -32,8 +32,9 @@ import tensorflow as tf
 
 from export.step import decode_step, uncached_logits
 from export.tf_internals import in_xla_context
-from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, length_penalty, output_bound, prepare  # noqa: F401
-from keras_transformer.decoding import renamed_max_output_length
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, output_bound, prepare  # noqa: F401
+from keras_transformer.decoding import length_penalty as penalty_of_length
+from keras_transformer.decoding import renamed_search_arguments
 from keras_transformer.masking import PAD_ID
 from keras_transformer.strategies import NOT_USED, Beam, Greedy, Sampling, SearchOps, check_options, reorder_rows
 
@@ -64,8 +65,8 @@ GRAPH_OPS = GraphSearchOps()
 # ------------------------------------------------------------------ greedy decoding
 
 
-@renamed_max_output_length
-def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
+@renamed_search_arguments
+def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, length_penalty=0.6, prefix_ids=None,
                          no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None):
     """`keras_transformer.greedy_decode`'s tokens and scores on the engine's step and loop.
 
@@ -101,14 +102,14 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=
 
     tokens, log_prob, lengths = _run(strategy, step, state, (encoder_output, source_mask), steps, fixed_shapes,
                                      lambda state: (state.tokens, state.log_prob, state.lengths))
-    return _trim(tokens), log_prob / length_penalty(lengths, alpha)
+    return _trim(tokens), log_prob / penalty_of_length(lengths, length_penalty)
 
 
 # ------------------------------------------------------------------ beam search
 
 
-@renamed_max_output_length
-def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None,
+@renamed_search_arguments
+def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty=0.6, max_output_length=None,
                        n_best=None, prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False):
     """`keras_transformer.beam_search`'s hypotheses, scores and early stop on the engine's step and loop.
 
@@ -121,7 +122,8 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
-        alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the paper).
+        length_penalty: the length penalty's exponent alpha (Wu et al., 2016; 0.6 in the paper); `alpha=` is its
+            old name.
         max_output_length: most output tokens; by default source length + 50. `max_length=` is its old
             name, still accepted (with a `DeprecationWarning`).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
@@ -150,7 +152,7 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0
     # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
     cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0,
                                       rows_per_sentence=k + 1) if use_cache else {}
-    strategy = Beam(end_id, k, alpha, n_best=n_best, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
+    strategy = Beam(end_id, k, length_penalty, n_best=n_best, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
     state = strategy.start(tf.shape(encoder_output)[0], steps, start_id, cache, limits,
                            prefix_ids=NOT_USED if prefix_ids is None else prefix_ids)
     next_logits = _next_logits_fn(model, start_id, use_cache, fixed_shapes)

@@ -105,6 +105,7 @@ from export.engine_weights import engine_model
 from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
+from keras_transformer.renamed import renamed_arguments
 from keras_transformer.scoring import align_targets, score_targets
 from keras_transformer.text import END_ID, PAD_ID, START_ID
 
@@ -193,8 +194,10 @@ class Translator(tf.Module):
         max_source_length: most source tokens, end id included (config.json
             `max_source_length`); longer inputs are truncated. None: no limit.
         beam_size: beam size of `serving_default` and `translate_ids`.
-        alpha: the length penalty's exponent (Wu et al., 2016): a hypothesis
-            scores log P / ((5 + length) / 6)^alpha (kt-export's --length-penalty).
+        length_penalty: the length penalty's exponent alpha (Wu et al., 2016):
+            a hypothesis scores log P / ((5 + length) / 6)^alpha (kt-export's
+            --length-penalty). `alpha=` is its old name, still accepted (a
+            `DeprecationWarning`).
         use_cache: decode over the key/value cache (False: recompute the
             whole prefix each step; same outputs, slower; for benchmarks).
         tokenizer_file: path of the sentencepiece `.model`, shipped in the
@@ -224,13 +227,14 @@ class Translator(tf.Module):
     Example:
 
     ```python
-    translator = Translator.from_model_dir("runs/en-de", beam_size=4, alpha=1.0)
+    translator = Translator.from_model_dir("runs/en-de", beam_size=4, length_penalty=1.0)
     translator.translate(tf.constant(["Two dogs play in the snow."]))["translation"]
     translator.save("exports/en-de/translator/1")
     ```
     """
 
-    def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, alpha=0.6, use_cache=True,
+    @renamed_arguments(alpha="length_penalty")
+    def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, length_penalty=0.6, use_cache=True,
                  tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
                  name="translator"):
         super().__init__(name=name)
@@ -247,7 +251,7 @@ class Translator(tf.Module):
         if tokenizer_file is not None:
             self.tokenizer_file = tf.saved_model.Asset(str(tokenizer_file))
         self.max_source_length = None if max_source_length is None else int(max_source_length)
-        self.beam_size, self.alpha, self.use_cache = int(beam_size), float(alpha), bool(use_cache)
+        self.beam_size, self.length_penalty, self.use_cache = int(beam_size), float(length_penalty), bool(use_cache)
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
         # the functions capture (see the module docstring). The closures keep it alive.
         self._model = lambda: model
@@ -289,7 +293,8 @@ class Translator(tf.Module):
         self.model_variables = list(captured.values())
 
     @classmethod
-    def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, alpha=0.6, use_cache=True,
+    @renamed_arguments(alpha="length_penalty")
+    def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, length_penalty=0.6, use_cache=True,
                        precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
         """A `Translator` for a directory written by kt-train, with its config's `max_source_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
@@ -302,7 +307,7 @@ class Translator(tf.Module):
         model = engine_model(loaded, decode_policy(precision)[0], untie_output_projection=True,
                              output_blocks=parallel_loops)
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
-        return cls(model, tokenizer, max_source_length=max_source_length(config), beam_size=beam_size, alpha=alpha,
+        return cls(model, tokenizer, max_source_length=max_source_length(config), beam_size=beam_size, length_penalty=length_penalty,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
                    parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
@@ -343,7 +348,7 @@ class Translator(tf.Module):
 
         def decode(ids, *rows):
             options = tf.nest.pack_sequence_as(row_options, list(rows))
-            return search(ids, alpha=self.alpha, use_cache=self.use_cache, fixed_shapes=fixed_shapes,
+            return search(ids, length_penalty=self.length_penalty, use_cache=self.use_cache, fixed_shapes=fixed_shapes,
                           no_repeat_ngram_size=self.no_repeat_ngram_size, **options)
 
         loops = 1 if fixed_shapes else self.parallel_loops
@@ -428,7 +433,7 @@ class Translator(tf.Module):
         target_pieces = self._pieces(target)
         target_ids = tf.cast(source_from_pieces(target_pieces, self.max_source_length).to_tensor(PAD_ID), tf.int32)
         scores, log_prob, _ = score_targets(self._model(), tokenized["source_ids"], target_ids, START_ID,
-                                            alpha=self.alpha)
+                                            length_penalty=self.length_penalty)
         return {"score": scores, "log_prob": log_prob,
                 "truncated": tokenized["truncated"] | self._truncated(target_pieces)}
 

@@ -61,7 +61,8 @@ def _minimum(a, b):
 
 # A search's `max_output_length=` was `max_length=`: the old name is still read (`renamed_arguments`). The
 # library's searches and the serving engine's (`export.search`) take it through this decorator.
-renamed_max_output_length = renamed_arguments(max_length="max_output_length")
+# The searches' old keywords: `max_length=` (the output limit) and `alpha=` (the length penalty's exponent).
+renamed_search_arguments = renamed_arguments(max_length="max_output_length", alpha="length_penalty")
 
 
 def _no_gradient():
@@ -149,8 +150,8 @@ def prepare(model, source_ids, max_output_length=None):
 
 
 
-@renamed_max_output_length
-def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, alpha=0.6, prefix_ids=None,
+@renamed_search_arguments
+def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, length_penalty=0.6, prefix_ids=None,
                   no_repeat_ngram_size=0):
     """Batched greedy decoding with the key/value cache.
 
@@ -163,8 +164,9 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, a
             than the model's `max_positions` with learned positions (its table
             ends there). `max_length=` is its old name, still accepted (with a
             `DeprecationWarning`).
-        alpha: the length penalty's exponent (Wu et al., 2016) for the
-            reported score: log P / ((5 + length) / 6)^alpha.
+        length_penalty: the length penalty's exponent alpha (Wu et al., 2016)
+            for the reported score: log P / ((5 + length) / 6)^alpha. `alpha=`
+            is its old name, still accepted (with a `DeprecationWarning`).
         prefix_ids: optional int `[batch, p]`: the tokens each output must
             begin with (no start or end id), 0-padded; the search goes on
             from there. Their log-probabilities count in the score.
@@ -183,13 +185,13 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, a
     """
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
-        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, cached_decoder,
+        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, length_penalty, cached_decoder,
                               prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
 
 
-@renamed_max_output_length
+@renamed_search_arguments
 def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_output_length=None,
-                  alpha=0.6, no_repeat_ngram_size=0):
+                  length_penalty=0.6, no_repeat_ngram_size=0):
     """Batched sampling with the key/value cache: each token drawn from the model's distribution.
 
     The greedy loop with a random choice: at each step a row's token is drawn
@@ -201,8 +203,9 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
     the same output alone or in any batch, on every backend, every time.
 
     Args:
-        model, source_ids, start_id, end_id, max_output_length, alpha,
-            no_repeat_ngram_size: as in `greedy_decode` (`max_length=` too).
+        model, source_ids, start_id, end_id, max_output_length, length_penalty,
+            no_repeat_ngram_size: as in `greedy_decode` (`max_length=` and
+            `alpha=` too).
         seed: int, or int `[batch]`: one seed per sentence.
         temperature: float > 0, or float `[batch]`. Below 1 sharpens the
             distribution, above 1 flattens it.
@@ -228,7 +231,7 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
         raise ValueError(f"top_k must be >= 0 (0: every token), got {top_k}")
     check_options(None, no_repeat_ngram_size)
     with _no_gradient():
-        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, cached_decoder,
+        return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, length_penalty, cached_decoder,
                               no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k))
 
 
@@ -322,8 +325,8 @@ def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_t
 # -------------------------------------------------------------------- beam
 
 
-@renamed_max_output_length
-def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max_output_length=None, n_best=None,
+@renamed_search_arguments
+def beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty=0.6, max_output_length=None, n_best=None,
                 prefix_ids=None, no_repeat_ngram_size=0):
     """Batched beam search with the key/value cache and a length penalty.
 
@@ -354,8 +357,9 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         beam_size: hypotheses kept per sentence (4 in the paper).
-        alpha: the length penalty's exponent (Wu et al., 2016; 0.6 in the
-            paper): hypotheses rank by log P / ((5 + length) / 6)^alpha.
+        length_penalty: the length penalty's exponent alpha (Wu et al., 2016;
+            0.6 in the paper): hypotheses rank by log P / ((5 + length) / 6)^alpha.
+            `alpha=` is its old name, still accepted (with a `DeprecationWarning`).
         max_output_length: most output tokens; by default source length +
             50. Never more than the model's `max_positions` with learned
             positions. `max_length=` is its old name, still accepted (with a
@@ -391,7 +395,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, alpha=0.6, max
     """
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
-        return _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_output_length, cached_decoder,
+        return _beam_search(model, source_ids, start_id, end_id, beam_size, length_penalty, max_output_length, cached_decoder,
                             n_best, prefix_ids, no_repeat_ngram_size)
 
 

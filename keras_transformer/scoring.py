@@ -18,8 +18,9 @@ Targets come as the searches return them: tokens, the end id, then 0.
 
 from keras import ops
 
-from keras_transformer.decoding import length_penalty
+from keras_transformer.decoding import length_penalty as penalty_of_length
 from keras_transformer.masking import PAD_ID
+from keras_transformer.renamed import renamed_arguments
 
 
 def _decoder_input(target_ids, start_id):
@@ -32,7 +33,8 @@ def _decoder_input(target_ids, start_id):
     return target_ids, ops.concatenate([start, target_ids], axis=1)[:, :ops.shape(target_ids)[1]]
 
 
-def score_targets(model, source_ids, target_ids, start_id, alpha=0.6):
+@renamed_arguments(alpha="length_penalty")
+def score_targets(model, source_ids, target_ids, start_id, length_penalty=0.6):
     """Teacher-forced log-probabilities of given outputs, and their length-penalised scores.
 
     Args:
@@ -41,7 +43,8 @@ def score_targets(model, source_ids, target_ids, start_id, alpha=0.6):
         target_ids: int `[batch, target_len]`: each output's tokens and its
             end id (no start id), padded with 0, as the searches return them.
         start_id: the target's start id.
-        alpha: the length penalty's exponent (Wu et al., 2016).
+        length_penalty: the length penalty's exponent alpha (Wu et al., 2016).
+            `alpha=` is its old name, still accepted (a `DeprecationWarning`).
 
     Returns:
         scores: float32 `[batch]`, log P(target | source) / ((5 + |target|) / 6)^alpha,
@@ -61,7 +64,7 @@ def score_targets(model, source_ids, target_ids, start_id, alpha=0.6):
     real = target_ids != PAD_ID
     token_log_probs = ops.where(real, ops.take_along_axis(log_probs, target_ids[..., None], axis=-1)[..., 0], 0.0)
     log_prob = ops.sum(token_log_probs, axis=1)
-    return log_prob / length_penalty(ops.sum(ops.cast(real, "int32"), axis=1), alpha), log_prob, token_log_probs
+    return log_prob / penalty_of_length(ops.sum(ops.cast(real, "int32"), axis=1), length_penalty), log_prob, token_log_probs
 
 
 def align_targets(model, source_ids, target_ids, start_id, end_id, layer=-1):

@@ -519,7 +519,7 @@ def test_beam_size_one_is_greedy_and_beam_4_never_scores_below_greedy(copy_model
 
 def test_scores_are_length_penalised_log_probabilities(copy_model):
     source = copy_sources(4, 6)
-    tokens, scores = _beam(copy_model, 3, alpha=0.6)(source)
+    tokens, scores = _beam(copy_model, 3, length_penalty=0.6)(source)
     assert_length_penalised_log_probs(copy_model, source, tokens, scores, alpha=0.6)
 
 

@@ -59,7 +59,7 @@ def reference(quick_model_dir):
 
     @tf.function
     def greedy_prefixed(source, prefix):
-        return kt.greedy_decode(model, source, START_ID, END_ID, prefix_ids=prefix, alpha=0.6)
+        return kt.greedy_decode(model, source, START_ID, END_ID, prefix_ids=prefix, length_penalty=0.6)
 
     return {"model": model, "source_ids": source_ids, "pieces": pieces, "sample": sample, "prefixed": prefixed,
             "greedy_prefixed": greedy_prefixed, "detokenize": detokenize, "too_long": too_long}
@@ -191,11 +191,11 @@ def test_an_export_with_no_repeat_ngram_size_bans_repeats_in_every_search_as_the
     source = reference["source_ids"](texts)
     model, detokenize = reference["model"], reference["detokenize"]
     library = {
-        "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, alpha=0.6,
+        "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, length_penalty=0.6,
                                                          no_repeat_ngram_size=1))(source)[0],
-        "beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, alpha=0.6,
+        "beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, length_penalty=0.6,
                                                      no_repeat_ngram_size=1))(source)[0],
-        "n_best": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, alpha=0.6, n_best=4,
+        "n_best": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam_size=4, length_penalty=0.6, n_best=4,
                                                        no_repeat_ngram_size=1))(source)[0],
     }
     served = {"greedy": translator.translate_greedy(tf.constant(texts))["translation"],

@@ -247,7 +247,7 @@ def test_kt_export_takes_the_length_penalty_from_its_flag_its_old_flag_or_the_ru
     exported = []
 
     def fake_export(model_dir, export_dir, **kwargs):
-        exported.append((kwargs["beam_size"], kwargs["alpha"]))
+        exported.append((kwargs["beam_size"], kwargs["length_penalty"]))
         return tmp_path / "exports" / "translator" / "1"
 
     monkeypatch.setattr(export_model, "export", fake_export)

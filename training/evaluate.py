@@ -298,7 +298,7 @@ def evaluate(args) -> int:
     args.beam_size = recorded_setting(cfg, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.length_penalty = recorded_setting(cfg, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
     translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
-                                           beam_size=args.beam_size, alpha=args.length_penalty)
+                                           beam_size=args.beam_size, length_penalty=args.length_penalty)
     sources, refs = _source_and_refs(args, cfg)
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]

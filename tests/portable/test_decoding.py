@@ -113,7 +113,7 @@ def test_beam_score_is_never_below_greedy(copy_model, policy):
 
 def test_scores_are_length_penalised_log_probabilities(copy_model):
     source = copy_sources(4, 6)
-    tokens, scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=3, alpha=0.6))(source)
+    tokens, scores = jit(lambda s: kt.beam_search(copy_model, s, START, END, beam_size=3, length_penalty=0.6))(source)
     assert_length_penalised_log_probs(copy_model, source, tokens, scores, alpha=0.6)
 
 
@@ -209,6 +209,26 @@ def test_the_searches_take_their_old_max_length_argument_as_max_output_length_wi
         kt.beam_search(model, source, START, END, max_output_length=None, max_length=5)
     with pytest.raises(TypeError, match=r"beam_search\(\) got an unexpected keyword argument 'max_len'"):
         kt.beam_search(model, source, START, END, max_len=5)
+
+
+def test_the_searches_and_scoring_take_their_old_alpha_argument_as_length_penalty_with_a_deprecation_warning():
+    """`alpha=`, the length penalty's old keyword: the same scores as `length_penalty=`, a warning at the call;
+    both names refused whatever the values (0.6 is the default)."""
+    model = random_model(9)
+    source = sources_of_2_and_6_tokens()
+    for search in (kt.greedy_decode, kt.sample_decode, kt.beam_search):
+        expected = to_numpy(search(model, source, START, END, length_penalty=1.3)[1])
+        with pytest.warns(DeprecationWarning,
+                          match=rf"^{search.__name__}\(alpha=\.\.\.\) is now {search.__name__}\(length_penalty="):
+            scores = to_numpy(search(model, source, START, END, alpha=1.3)[1])
+        np.testing.assert_allclose(scores, expected, rtol=1e-6)
+        with pytest.raises(ValueError, match="got length_penalty=0.6 and alpha=1.3: alpha is length_penalty's old"):
+            search(model, source, START, END, length_penalty=0.6, alpha=1.3)
+    tokens = kt.greedy_decode(model, source, START, END)[0]
+    with pytest.warns(DeprecationWarning, match=r"^score_targets\(alpha=\.\.\.\) is now score_targets\(length_penalty="):
+        old = to_numpy(kt.score_targets(model, source, tokens, START, alpha=1.3)[0])
+    np.testing.assert_allclose(old, to_numpy(kt.score_targets(model, source, tokens, START, length_penalty=1.3)[0]),
+                               rtol=1e-6)
 
 
 def test_empty_batch_and_bad_rank():

@@ -179,7 +179,7 @@ def test_a_score_is_the_teacher_forced_log_probability_over_the_length_penalty(c
         targets[i, : n - 1] = rng.integers(4, 16, n - 1)
         targets[i, n - 1] = END
     scores, log_prob, token_log_probs = (to_numpy(x) for x in kt.score_targets(copy_model, source, targets, START,
-                                                                                alpha=0.8))
+                                                                                length_penalty=0.8))
     for i in range(8):
         target = targets[i][targets[i] != 0]
         target_in = np.concatenate([[START], target[:-1]])[None].astype("int32")
