@@ -40,7 +40,7 @@ importlib.import_module("common")
 for name in ("run_dir", "tokenizer", "native_logs"):
     importlib.import_module("common." + name)
 common = loaded("export") + loaded("training")
-for name in ("train", "fit", "pipeline", "data", "config", "prepare", "prepared", "callbacks"):
+for name in ("train", "fit", "pipeline", "data", "config", "prepare", "prepared_corpus", "callbacks"):
     importlib.import_module("training." + name)
 kt_train = loaded("export")
 importlib.import_module("training.evaluate")
