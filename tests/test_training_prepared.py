@@ -3,8 +3,12 @@
 The ids are the in-graph tokenizer's (`common.tokenizer.encode_pair`'s
 sequences, pair for pair); an epoch holds every pair once, within the budget;
 the shuffle spans the whole corpus; a killed prepare is never trained on and
-starts again to the same result; damaged shards are refused; two workers each
-read only their own shards and take the same updates per epoch.
+starts again to the same result, its files on the disk before its manifest;
+damaged shards and a swapped vocabulary are refused before the first update;
+two workers each read only their own shards and take the same updates per
+epoch; shards that do not divide among the workers give each as many pairs;
+with a chief, a worker checks and streams the shards of its input pipeline; a
+stream without a usable pair is an error, not an endless reload.
 """
 
 import collections
@@ -19,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -31,8 +36,8 @@ from training import prepare as prepare_module
 from training.errors import ConfigError, DataError, LineCountMismatchError
 from training.pipeline import bucket_boundaries
 from training.prepare import build_parser, prepare
-from training.prepared_corpus import (MANIFEST_FILENAME, open_prepared, stream_batches, steps_per_epoch,
-                               worker_shards)
+from training.prepared_corpus import (MANIFEST_FILENAME, PreparedCorpus, ShardPart, open_for_worker, open_prepared,
+                                      stream_batches, steps_per_epoch, worker_dataset_fn, worker_shards)
 from training.text_files import iter_parallel_chunks
 
 pytestmark = needs_multi30k
@@ -267,8 +272,212 @@ def test_kt_train_refuses_what_a_prepared_corpus_cannot_do(prepared, tmp_path, c
         assert re.search(message, capsys.readouterr().err), extra
     with pytest.raises(DataError, match="fewer than the 8 workers"):
         worker_shards(6, 0, 8)
-    assert sorted(worker_shards(6, 0, 2) + worker_shards(6, 1, 2)) == list(range(6))
+    assert sorted(worker_shards(6, 0, 2) + worker_shards(6, 1, 2)) == [ShardPart(i) for i in range(6)]
     assert not set(worker_shards(6, 0, 2)) & set(worker_shards(6, 1, 2))
+
+
+def test_shards_that_do_not_divide_among_the_workers_give_every_worker_as_many_pairs(prepared):
+    """64 shards on 3 workers: 21 whole shards each and a third of the 64th; 5 on 4: one each and a quarter of
+    the fifth. Streamed, 6 shards on 4 workers give each the same pairs, but for the shards' sampling noise,
+    and every pair to exactly one of them; kt-train says how the shards are read."""
+    for shards, workers in ((64, 3), (5, 4), (6, 4), (64, 8)):
+        parts = [worker_shards(shards, w, workers) for w in range(workers)]
+        # Every shard read once, whole or in parts that make it whole: every pair is trained on.
+        reads = collections.Counter((p.shard, row) for ps in parts for p in ps for row in range(p.first, 24, p.step))
+        assert reads == collections.Counter((s, row) for s in range(shards) for row in range(24))
+        # As many shards' worth of pairs on every worker (the shards being random samples of equal size).
+        assert {sum(Fraction(1, p.step) for p in ps) for ps in parts} == {Fraction(shards, workers)}
+        # Whole shards are the worker's own, shared ones the same on every worker.
+        assert len({tuple(p.shard for p in ps if p.step > 1) for ps in parts}) == 1
+    assert [p.shard for p in worker_shards(64, 1, 3) if p.step == 1] == list(range(1, 63, 3))
+    assert worker_shards(64, 2, 3)[-1] == ShardPart(63, 2, 3)
+
+    directory = prepared[0]
+    corpus = open_prepared(directory)
+    epoch = collections.Counter(_rows(stream_batches(corpus, list(range(6)), max_sentence_length=512,
+                                                     tokens_per_replica=2000, seed=5, epochs=1)))
+    per_worker = [collections.Counter(_rows(stream_batches(corpus, worker_shards(6, w, 4), max_sentence_length=512,
+                                                           tokens_per_replica=2000, seed=5, epochs=1)))
+                  for w in range(4)]
+    assert sum(per_worker, collections.Counter()) == epoch
+    pairs = [sum(c.values()) for c in per_worker]
+    assert max(pairs) < 1.15 * min(pairs), pairs  # 750 each, give or take; whole shards alone: 1,000 or 500
+    said = []
+    _, parts = open_for_worker(directory, 3, 4, max_sentence_length=512, say=said.append)
+    assert parts == [ShardPart(3), ShardPart(4, 3, 4), ShardPart(5, 3, 4)]
+    assert said[0] == ("6 shards do not divide among 4 workers: each worker reads 1 shard(s) of its own and one pair "
+                       "in 4 of the 2 left over (shard(s) 4, 5), so that every worker reads as many pairs and every "
+                       "pair is trained on; every worker needs the shard(s) left over on its disk. With kt-prepare "
+                       "--shards 4 or 8, each would read only its own.")
+    said.clear()
+    open_for_worker(directory, 1, 3, max_sentence_length=512, say=said.append)
+    assert len(said) == 1 and said[0].startswith("checked the SHA-256 of its 2 shard(s)")
+
+
+def test_with_a_chief_in_the_cluster_a_worker_checks_and_streams_the_shards_of_its_input_pipeline(
+        prepared, tmp_path, monkeypatch, capsys):
+    """TF_CONFIG with a chief and two workers: the chief is input pipeline 0 and worker i pipeline i + 1, as
+    TensorFlow numbers them. Each task, given a directory with only its own shards (and the manifest and the
+    vocabulary), checks those at start-up and streams those; kt-train's start-up passes on the second worker's
+    disk, and a stream numbered otherwise than its check is refused."""
+    from tensorflow.python.distribute import multi_worker_util
+
+    from training.config import resolve_settings
+    from training.distribute import input_pipeline, worker_info
+    from training.fit import train
+
+    corpus = open_prepared(prepared[0])
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    for task_type, index in (("chief", 0), ("worker", 0), ("worker", 1)):
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}))
+        pipeline = (multi_worker_util.id_in_cluster(cluster, task_type, index),
+                    multi_worker_util.worker_count(cluster, task_type))
+        assert input_pipeline() == pipeline and worker_info()[2] == 3
+        d = tmp_path / f"{task_type}{index}"
+        d.mkdir()
+        for name in (MANIFEST_FILENAME, "tokenizer.model"):
+            shutil.copy(prepared[0] / name, d / name)
+        own = worker_shards(len(corpus.shards), *pipeline)
+        for part in own:
+            shutil.copy(prepared[0] / corpus.shards[part.shard]["file"], d)
+        checked, parts = open_for_worker(d, *input_pipeline(), max_sentence_length=64, say=lambda _: None)
+        assert parts == own and checked.verified == {p.shard for p in own}
+        dataset = worker_dataset_fn(checked, parts, input_pipeline(), max_sentence_length=64, tokens_per_replica=500,
+                                    seed=0)
+        context = tf.distribute.InputContext(num_input_pipelines=pipeline[1], input_pipeline_id=pipeline[0])
+        assert len(list(dataset(context).take(3))) == 3  # both its shards loaded: the first pool holds them
+    with pytest.raises(RuntimeError, match="numbers this worker's input pipeline 0 of 3, but its shards were picked "
+                                           "and checked as pipeline 2 of 3"):
+        dataset(tf.distribute.InputContext(num_input_pipelines=3, input_pipeline_id=0))
+    # kt-train on worker 1's disk (shards 2 and 5): worker_info's task index 1 would have it check shards 1 and 4.
+    # Its start-up passes; then the default strategy numbers its pipeline 0 of 1, which the stream refuses.
+    with pytest.raises(RuntimeError, match="numbers this worker's input pipeline 0 of 1, but its shards were picked "
+                                           "and checked as pipeline 2 of 3"):
+        train(resolve_settings(["--prepared", str(tmp_path / "worker1"), "--preset", "tiny", "--model-dir",
+                                str(tmp_path / "m"), "--tokens-per-replica", "500", "--max-sentence-length", "64",
+                                "--no-validation", "--verbose", "0"]), strategy=tf.distribute.get_strategy())
+    out = capsys.readouterr().out
+    assert f"checked the SHA-256 of its 2 shard(s)" in out and "missing" not in out
+
+
+def test_a_stream_without_a_usable_pair_is_an_error_at_start_up_and_in_the_stream(prepared, tmp_path, capsys):
+    """Every pair over --max-sentence-length, or shards without pairs: kt-train refuses at start-up from the
+    manifest (each shard's shortest pair; an older manifest's histogram), and a stream that makes a whole pass
+    without a batch raises, naming its shards and the limit, instead of reading them again forever."""
+    from training.train import main as kt_train
+
+    directory = prepared[0]
+    corpus = open_prepared(directory)
+    for i, entry in enumerate(corpus.shards):
+        arrays = corpus.load_shard(i)
+        assert entry["shortest"] == int((np.maximum(arrays["source_lengths"], arrays["target_lengths"]) + 1).min())
+    shortest = min(s["shortest"] for s in corpus.shards)
+    limit = shortest - 1
+
+    counting = PreparedCorpus(corpus.directory, corpus.manifest, set(corpus.verified))
+    loads = [0]
+
+    def load_shard(index, _load=counting.load_shard):
+        loads[0] += 1
+        assert loads[0] <= 2 * len(corpus.shards), "the stream reads its shards again and again without a batch"
+        return _load(index)
+
+    counting.load_shard = load_shard
+    with pytest.raises(DataError, match=f"A pass over {re.escape(str(directory))}/{{shard-00000-of-00006.npz, .* and 2 "
+                                        f"more}} gave "
+                                        f"no batch: none of their 3,000 pairs fits the length limit of {limit} "
+                                        f"tokens \\(--max-sentence-length; the shortest is {shortest} tokens"):
+        next(stream_batches(counting, list(range(6)), max_sentence_length=limit, tokens_per_replica=500, seed=0))
+    assert loads[0] == 6
+
+    with pytest.raises(DataError, match=f"No pair of {directory}/.* fits the length limit of {limit} tokens "
+                                        f"\\(--max-sentence-length\\): the shortest is {shortest} tokens"):
+        open_for_worker(directory, 0, 2, max_sentence_length=limit, say=lambda _: None)
+    # A manifest from before the shards recorded their shortest pair: the whole corpus's histogram tells.
+    old = tmp_path / "old"
+    shutil.copytree(directory, old)
+    manifest = json.loads((old / MANIFEST_FILENAME).read_text())
+    for entry in manifest["shards"]:
+        del entry["shortest"]
+    (old / MANIFEST_FILENAME).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=f"No pair of the corpus {old} fits the length limit of {limit} tokens"):
+        open_for_worker(old, 0, 1, max_sentence_length=limit, say=lambda _: None)
+    assert kt_train(["--prepared", str(directory), "--model-dir", str(tmp_path / "m"), "--max-sentence-length",
+                     str(limit), "--verbose", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert f"fits the length limit of {limit} tokens" in err and "batch plan" not in out
+
+    # Shards without a pair: 3 pairs dealt to 8 shards.
+    few = tmp_path / "few"
+    src = write_lines(tmp_path / "f.en", prepared[1][:3])
+    tgt = write_lines(tmp_path / "f.de", prepared[2][:3])
+    prepare(_prepare_args(few, src, tgt, "--tokenizer", str(directory / "tokenizer.model"), "--shards", "8"))
+    sparse = open_prepared(few)
+    empty = [i for i, s in enumerate(sparse.shards) if not s["pairs"]]
+    assert len(empty) >= 5 and all(sparse.shards[i]["shortest"] is None for i in empty)
+    with pytest.raises(DataError, match=f"{few / sparse.shards[empty[0]]['file']} hold\\(s\\) no pair"):
+        open_for_worker(few, empty[0], 8, max_sentence_length=64, say=lambda _: None)
+    with pytest.raises(DataError, match="gave no batch: they hold no pair"):
+        next(stream_batches(sparse, empty[:2], max_sentence_length=64, tokens_per_replica=500, seed=0))
+
+
+def test_a_damaged_shard_or_a_swapped_vocabulary_is_refused_before_the_first_update(prepared, tmp_path, capsys):
+    """A shard with a byte changed (its size kept) and a tokenizer.model replaced by another vocabulary: kt-train
+    checks its shards' SHA-256 digests and the vocabulary's against the manifest at start-up, and stops before it builds
+    a batch, naming the file."""
+    from keras_transformer.text import train_sentencepiece
+    from training.train import main as kt_train
+
+    def refused(directory, message):
+        model_dir = tmp_path / f"m-{directory.name}"
+        assert kt_train(["--prepared", str(directory), "--preset", "tiny", "--model-dir", str(model_dir),
+                         "--max-updates", "1", "--epochs", "1", "--no-validation", "--verbose", "0"]) == 2
+        out, err = capsys.readouterr()
+        assert re.search(message, err), err
+        assert "batch plan" not in out and not (model_dir / "config.json").exists()
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(prepared[0], damaged)
+    name = open_prepared(damaged).shards[4]["file"]
+    data = bytearray((damaged / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / name).write_bytes(bytes(data))
+    refused(damaged, f"kt-train: error: {re.escape(str(damaged / name))} does not match "
+                     f"{re.escape(str(damaged / MANIFEST_FILENAME))}: its SHA-256 is not the one recorded there.*"
+                     f"Copy it again from the directory kt-prepare wrote")
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(prepared[0], swapped)
+    (swapped / "tokenizer.model").write_bytes(train_sentencepiece(prepared[1][:500], 500))
+    refused(swapped, f"kt-train: error: {re.escape(str(swapped / 'tokenizer.model'))} is not the vocabulary "
+                     f"{re.escape(str(swapped))} was prepared with: its SHA-256 is not the one .* records.*"
+                     f"Put back the tokenizer.model kt-prepare wrote")
+
+
+def test_kt_prepare_puts_the_shards_and_the_vocabulary_on_the_disk_before_the_manifest(prepared, tmp_path,
+                                                                                        monkeypatch):
+    """Every shard and the vocabulary fsynced, and the directory holding their names, before the manifest is
+    written: a power cut cannot leave a manifest naming a file the disk lost."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "synced"
+    src = write_lines(tmp_path / "s.en", prepared[1][:200])
+    tgt = write_lines(tmp_path / "s.de", prepared[2][:200])
+    prepare(_prepare_args(out, src, tgt, "--tokenizer", str(prepared[0] / "tokenizer.model"), "--shards", "3"))
+    manifest = synced.index(str(out / (MANIFEST_FILENAME + ".tmp")))
+    before = synced[:manifest]
+    for i in range(3):
+        assert str(out / f"shard-{i:05d}-of-00003.npz.tmp.npz") in before
+    assert str(out / "tokenizer.model.tmp") in before
+    # The directory after the last shard was renamed into it; and again after the manifest was.
+    last_shard = max(before.index(str(out / f"shard-{i:05d}-of-00003.npz.tmp.npz")) for i in range(3))
+    assert str(out) in before[last_shard + 1:] and synced[-1] == str(out)
 
 
 def test_streamed_files_give_the_whole_file_readers_errors(tmp_path):
@@ -302,8 +511,8 @@ def test_two_workers_read_their_own_shards_and_take_the_same_updates(prepared, t
         d.mkdir()
         for name in (MANIFEST_FILENAME, "tokenizer.model"):
             shutil.copy(prepared[0] / name, d / name)
-        for i in worker_shards(len(corpus.shards), w, 2):
-            shutil.copy(prepared[0] / corpus.shards[i]["file"], d)
+        for part in worker_shards(len(corpus.shards), w, 2):
+            shutil.copy(prepared[0] / corpus.shards[part.shard]["file"], d)
         dirs.append(d)
     model_dir = tmp_path / "mw"
     cmds = [[sys.executable, "-m", "training.train", "--prepared", str(d), "--preset", "tiny", "--model-dir",

@@ -38,6 +38,25 @@ def worker_info() -> tuple[bool, int, int]:
     return ttype == "worker" and index == 0, index, num_workers
 
 
+def input_pipeline() -> tuple[int, int]:
+    """(this worker's input pipeline id, the number of pipelines) from TF_CONFIG, as
+    `MultiWorkerMirroredStrategy` numbers them (`tf.distribute.InputContext.input_pipeline_id`): the chief 0 and
+    worker i i + 1 when the cluster has a chief, worker i i when it has none (single process: (0, 1)).
+
+    What a worker reads of a prepared corpus goes by it, at start-up and in its input pipeline alike: with a
+    chief, `worker_info`'s task index is 0 on both the chief and worker 0.
+    """
+    cfg = tf_config()
+    if cfg is None:
+        return 0, 1
+    cluster, task = cfg["cluster"], cfg.get("task", {})
+    ttype, index = task.get("type", "worker"), int(task.get("index", 0))
+    chiefs = len(cluster.get("chief", []))
+    if ttype not in ("chief", "worker"):
+        raise ValueError(f"TF_CONFIG's task type {ttype!r}: kt-train runs as a 'chief' or a 'worker' task")
+    return (0 if ttype == "chief" else index + chiefs), len(cluster.get("worker", [])) + chiefs
+
+
 def split_cpu(num_replicas: int) -> None:
     """Splits the (first) physical CPU into `num_replicas` logical devices."""
     cpus = tf.config.list_physical_devices("CPU")

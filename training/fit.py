@@ -30,12 +30,13 @@ from keras_transformer.text import (check_special_ids, lowercases, read_tokenize
 from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
 from training.config import TrainSettings, batch_plan, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
-from training.distribute import make_strategy, worker_info
+from training.distribute import input_pipeline, make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import UpdateBoundProgbar, ignoring_ran_out_of_data
 from training.pipeline import make_batches, mean_target_tokens
-from training.prepared_corpus import PreparedCorpus, open_prepared, prepared_dataset, steps_per_epoch, worker_shards
+from training.prepared_corpus import (PreparedCorpus, open_for_worker, prepared_dataset, steps_per_epoch,
+                                      worker_dataset_fn)
 from training.precision import choose_policy
 from keras_transformer.distributed import UpdateStep
 
@@ -388,9 +389,12 @@ def train(settings: TrainSettings, strategy=None) -> dict:
         settings = prepare_into_run(settings, model_dir, is_chief)
     corpus = None
     if settings.prepared:
-        corpus = open_prepared(settings.prepared, shards=[])  # the manifest alone: this worker's shards below
-        worker = worker_shards(len(corpus.shards), task_index, num_workers)
-        corpus = open_prepared(settings.prepared, shards=worker if num_workers > 1 else None)
+        # This worker's shards, numbered as its input pipeline is (with a chief, not by `task_index`), all checked
+        # before the first update: what it reads at start-up is what it streams.
+        pipeline = input_pipeline()
+        corpus, worker = open_for_worker(settings.prepared, *pipeline,
+                                         max_sentence_length=settings.max_sentence_length,
+                                         say=lambda line: print(f"[kt-train] {line}", flush=True))
     if corpus is not None:
         # The corpus's ids are in its vocabulary; no worker trains one or waits for one.
         for key in ("source_lang", "target_lang"):
@@ -447,11 +451,8 @@ def train(settings: TrainSettings, strategy=None) -> dict:
                       seed=settings.seed, start=ResumableBackup.saved_step(out_dir / "backup"),
                       pad_to_bucket_boundary=settings.jit_compile, copies=copies)
 
-        def worker_batches(context=tf.distribute.InputContext()):
-            # One batch per replica: each of this worker's replicas takes the next one in turn.
-            shards = worker_shards(len(corpus.shards), context.input_pipeline_id, context.num_input_pipelines)
-            return prepared_dataset(corpus, shards, **stream)
-
+        # One batch per replica: each of this worker's replicas takes the next one in turn.
+        worker_batches = worker_dataset_fn(corpus, worker, pipeline, **stream)
         train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or num_workers > 1
                     else worker_batches())
         one_pass = steps_per_epoch(corpus, max_sentence_length=settings.max_sentence_length,
@@ -460,8 +461,10 @@ def train(settings: TrainSettings, strategy=None) -> dict:
         span = (f"a pass over it is {one_pass // settings.grad_accum:,} updates; a checkpoint and the validation "
                 f"every {settings.checkpoint_every:,} updates (--checkpoint-every)" if settings.checkpoint_every
                 else f"an epoch is {steps // settings.grad_accum:,} updates")
+        own, shared = sum(p.step == 1 for p in worker), sum(p.step > 1 for p in worker)
         print(f"[kt-train] data: {corpus.directory} ({corpus.pairs:,} pairs in {len(corpus.shards)} shards; "
-              f"worker {task_index + 1}/{num_workers} reads {len(worker)}); {span}", flush=True)
+              f"worker {pipeline[0] + 1}/{pipeline[1]} reads {own}"
+              f"{f' and one pair in {pipeline[1]} of {shared} more' if shared else ''}); {span}", flush=True)
     else:
         reason = text_reason(settings)
         print(f"[kt-train] data: {spec.dataset}'s text, read into memory and tokenized every epoch ({reason}: "

@@ -14,7 +14,10 @@ sample of the whole. The format is `training/prepared_corpus.py`'s.
 
 Run again with the same command, a finished directory is left as it is; a
 killed one is prepared again from the start, keeping its vocabulary when that
-was complete (the manifest, written last and atomically, tells which).
+was complete (the manifest, written last and atomically, tells which). The
+shards and the vocabulary are flushed to the disk (fsync, and their
+directory's entries) before the manifest is written: after a crash or a
+power cut, a manifest names only files that are whole.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from keras_transformer.text import (check_special_ids, lowercases, read_tokenize
                                    train_sentencepiece, vocab_size_of)
 from training.config import add_setting_flags, default  # noqa: E402
 from training.errors import ConfigError, DataError  # noqa: E402
-from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME, file_sha256,  # noqa: E402
-                               write_json_atomically)
+from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME,  # noqa: E402
+                                      file_sha256, fsync_directory, fsync_file, write_json_atomically)
 from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chunks  # noqa: E402
 
 VOCABULARY_RECORD = "vocabulary.json"  # the vocabulary's request, written after tokenizer.model: it is complete
@@ -128,6 +131,7 @@ def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
              f"trained on {sample}, both sides, in {time.time() - t0:.0f} s")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(proto)
+    fsync_file(tmp)
     os.replace(tmp, path)
     write_json_atomically(record, request)
     return proto
@@ -201,13 +205,17 @@ def _finish_shard(scatter: Path, out: Path, k: int, count: int, dtype, rng: np.r
     name = SHARD_PATTERN.format(index=k, count=count)
     tmp = out / (name + ".tmp.npz")
     np.savez(tmp, **out_arrays)
+    fsync_file(tmp)  # on the disk before the manifest says it is (`prepare` syncs the directory's renames)
     os.replace(tmp, out / name)
     for p in paths.values():
         p.unlink(missing_ok=True)
+    keys = np.maximum(out_arrays["source_lengths"], out_arrays["target_lengths"]) + 1
     entry = {"file": name, "pairs": len(perm), "source_tokens": int(out_arrays["source_lengths"].sum()),
              "target_tokens": int(out_arrays["target_lengths"].sum()), "bytes": (out / name).stat().st_size,
-             "sha256": file_sha256(out / name)}
-    return entry, np.maximum(out_arrays["source_lengths"], out_arrays["target_lengths"]) + 1
+             "sha256": file_sha256(out / name),
+             # Its shortest pair's longer side, with its start or end id: whether a length limit leaves it any.
+             "shortest": int(keys.min()) if len(keys) else None}
+    return entry, keys
 
 
 def prepare(args) -> dict:
@@ -267,6 +275,9 @@ def prepare(args) -> dict:
     for h in longest:
         histogram[: len(h)] += h
     shutil.rmtree(scatter, ignore_errors=True)
+    # The shards' and the vocabulary's names in the directory on the disk before the manifest names them: a
+    # power cut leaves no manifest, or one whose files are all there.
+    fsync_directory(out)
     manifest = {
         "format": FORMAT,
         "request": request,

@@ -8,19 +8,28 @@ A prepared directory holds:
   shuffles each shard), holding `source_ids`/`target_ids` (the pieces, no
   start or end id, concatenated; uint16 for vocabularies up to 65,536 pieces)
   and `source_lengths`/`target_lengths` (pieces per pair, int32);
-- `manifest.json`, written last and atomically: the corpora read and their
-  counts, each shard's pairs, tokens, bytes and SHA-256, the vocabulary, the
-  options used, and a histogram of the pairs' lengths. Without it the
-  directory is not a prepared corpus.
+- `manifest.json`, written last and atomically, once the shards and the
+  vocabulary are on the disk (fsynced): the corpora read and their counts,
+  each shard's pairs, tokens, bytes, SHA-256 and shortest pair, the
+  vocabulary and its SHA-256, the options used, and a histogram of the
+  pairs' lengths. Without it the directory is not a prepared corpus.
 
 Batches are built as fairseq builds them, from an index of lengths, a pool of
 pairs at a time, in numpy: no per-pair work in the input pipeline. Each epoch
-a worker reads its own shards (`worker_shards`) in a new random order, pools
+a worker reads its own shards (`worker_shards`: as many as every other
+worker, and an equal part of each shard left over when the shards do not
+divide among the workers) in a new random order, pools
 about `POOL_PAIRS` pairs at a time, groups them by length bucket (the buckets
 and budgets of `training.pipeline`), cuts each bucket into batches of its
 size, and yields the pool's batches in a random order. The stream never ends:
 kt-train's epoch is the corpus's batch count from the manifest
-(`steps_per_epoch`), the same on every worker.
+(`steps_per_epoch`), the same on every worker. A pass over a worker's shards
+that yields no batch (every pair over the length limit, or no pair at all)
+is an error, not an endless reload.
+
+Before its first update a worker checks what it will read
+(`open_for_worker`): the manifest, the vocabulary's SHA-256, that some pair
+fits the length limit, and its shards' sizes and SHA-256 digests.
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -55,8 +66,26 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
+def fsync_file(path) -> None:
+    """Flushes `path`'s bytes to the disk (the kernel's cache alone would lose them in a power cut)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_directory(path) -> None:
+    """Flushes `path`'s entries (the files created or renamed in it) to the disk; nothing where a directory
+    cannot be opened (Windows)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomically(path: Path, data: dict) -> None:
-    """Writes `path` whole or not at all (a temporary file renamed over it)."""
+    """Writes `path` whole or not at all (a temporary file renamed over it), on the disk when it returns."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -64,6 +93,15 @@ def write_json_atomically(path: Path, data: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+class ShardPart(NamedTuple):
+    """What a worker reads of shard `shard`: its pairs `first`, `first + step`, ... (by default all)."""
+
+    shard: int
+    first: int = 0
+    step: int = 1
 
 
 @dataclass
@@ -83,21 +121,58 @@ class PreparedCorpus:
         return self.directory / self.manifest["vocabulary"]["file"]
 
     @property
+    def manifest_file(self) -> Path:
+        return self.directory / MANIFEST_FILENAME
+
+    @property
     def pairs(self) -> int:
         return sum(s["pairs"] for s in self.shards)
+
+    def check_sizes(self, shards: list[int] | None = None, whose: str = "") -> None:
+        """A `DataError` unless every shard of `shards` (default: all) is there at the size the manifest records;
+        `whose` says in the message who reads it."""
+        for index in range(len(self.shards)) if shards is None else shards:
+            entry = self.shards[index]
+            shard = self.directory / entry["file"]
+            size = shard.stat().st_size if shard.is_file() else None
+            if size != entry["bytes"]:
+                what = "is missing" if size is None else f"has {size:,} bytes, the manifest says {entry['bytes']:,}"
+                raise DataError(f"{shard} {what}{whose}: the prepared corpus {self.directory} is incomplete or was "
+                                f"changed. Copy the shard again from the directory kt-prepare wrote, or run "
+                                f"kt-prepare again into a new directory.")
+
+    def check_sha256(self, index: int) -> None:
+        """A `DataError` unless shard `index`'s SHA-256 is the one the manifest records (checked once a process)."""
+        if index in self.verified:
+            return
+        entry = self.shards[index]
+        path = self.directory / entry["file"]
+        if not path.is_file():
+            raise DataError(f"{path} is missing: the prepared corpus {self.directory} is incomplete or was changed. "
+                            f"Copy the shard again from the directory kt-prepare wrote, or run kt-prepare again "
+                            f"into a new directory.")
+        if file_sha256(path) != entry["sha256"]:
+            raise DataError(f"{path} does not match {self.manifest_file}: its SHA-256 is not the one recorded "
+                            f"there, so its bytes were changed after kt-prepare wrote it (a disk fault, an "
+                            f"incomplete or failed copy). Copy it again from the directory kt-prepare wrote, or "
+                            f"run kt-prepare again into a new directory.")
+        self.verified.add(index)
+
+    def verify(self, shards: list) -> int:
+        """Checks the SHA-256 of each shard of `shards` (indices or `ShardPart`s) against the manifest, as
+        `check_sha256`; returns the bytes read."""
+        indices = sorted({s.shard if isinstance(s, ShardPart) else int(s) for s in shards})
+        read = sum(self.shards[i]["bytes"] for i in indices if i not in self.verified)
+        for i in indices:
+            self.check_sha256(i)
+        return read
 
     def load_shard(self, index: int) -> dict:
         """Shard `index`'s arrays, after checking its counts, and the first time its SHA-256, against the
         manifest."""
+        self.check_sha256(index)
         entry = self.shards[index]
         path = self.directory / entry["file"]
-        digest = entry["sha256"] if index in self.verified else file_sha256(path) if path.is_file() else None
-        self.verified.add(index)
-        if digest != entry["sha256"]:
-            self.verified.discard(index)
-            raise DataError(f"{path} does not match {self.directory / MANIFEST_FILENAME} (its SHA-256 differs"
-                            f"{'; the file is missing' if digest is None else ''}): the shard was changed or "
-                            f"damaged after kt-prepare wrote it. Run kt-prepare again into a new directory.")
         with np.load(path) as z:
             arrays = {k: z[k] for k in SHARD_ARRAYS}
         counts = (len(arrays["source_lengths"]), int(arrays["source_lengths"].sum()),
@@ -112,10 +187,12 @@ class PreparedCorpus:
 def open_prepared(directory, shards: list[int] | None = None) -> PreparedCorpus:
     """The prepared corpus in `directory`, or a `DataError` saying why it cannot be trained on.
 
-    Checks the manifest is there and complete and that every shard of `shards`
-    (default: all; a worker checks its own, `worker_shards`, and needs no
-    other) exists at the size it records; each shard's SHA-256 and counts are
-    checked when it is read (`PreparedCorpus.load_shard`).
+    Checks the manifest is there and complete, that the vocabulary is the one
+    it records (its SHA-256), and that every shard of `shards` (default: all;
+    a worker checks its own, `worker_shards`, and needs no other) exists at
+    the size it records; each shard's SHA-256 and counts are checked when it
+    is read (`PreparedCorpus.load_shard`), or before, all at once
+    (`PreparedCorpus.verify`, kt-train's `open_for_worker`).
     """
     directory = Path(directory)
     path = directory / MANIFEST_FILENAME
@@ -132,26 +209,109 @@ def open_prepared(directory, shards: list[int] | None = None) -> PreparedCorpus:
         raise DataError(f"{path} is not a manifest of this version's prepared corpora (format "
                         f"{manifest.get('format')!r}, expected {FORMAT!r}); run kt-prepare again.")
     corpus = PreparedCorpus(directory, manifest)
-    for entry in (corpus.shards if shards is None else [corpus.shards[i] for i in shards]):
-        shard = directory / entry["file"]
-        size = shard.stat().st_size if shard.is_file() else None
-        if size != entry["bytes"]:
-            what = "is missing" if size is None else f"has {size:,} bytes, the manifest says {entry['bytes']:,}"
-            raise DataError(f"{shard} {what}: the prepared corpus {directory} is incomplete or was changed. Run "
-                            f"kt-prepare again into a new directory.")
+    corpus.check_sizes(shards)
     if not corpus.tokenizer_file.is_file():
         raise DataError(f"{corpus.tokenizer_file} is missing: the prepared corpus {directory} has lost its "
-                        f"vocabulary. Run kt-prepare again.")
+                        f"vocabulary. Copy it again from the directory kt-prepare wrote, or run kt-prepare again.")
+    recorded = manifest["vocabulary"].get("sha256")
+    if recorded and file_sha256(corpus.tokenizer_file) != recorded:
+        raise DataError(f"{corpus.tokenizer_file} is not the vocabulary {directory} was prepared with: its SHA-256 "
+                        f"is not the one {path} records. The shards hold that vocabulary's token ids; trained "
+                        f"with another, the model would learn the wrong pieces. Put back the {VOCABULARY_FILENAME} "
+                        f"kt-prepare wrote (copy it again from the directory kt-prepare wrote), or prepare the "
+                        f"corpus again (kt-prepare --tokenizer FILE to prepare it in this vocabulary).")
     return corpus
 
 
-def worker_shards(num_shards: int, worker: int, num_workers: int) -> list[int]:
-    """The shards worker `worker` of `num_workers` reads: every `num_workers`-th, from its own index."""
+def worker_shards(num_shards: int, worker: int, num_workers: int) -> list[ShardPart]:
+    """What worker `worker` of `num_workers` reads of `num_shards` shards: as many pairs as every other worker,
+    each pair read by one worker.
+
+    Of the first `num_shards - num_shards % num_workers` shards, every `num_workers`-th, whole, from its own
+    index; of each shard left over (the last `num_shards % num_workers`, shared), every `num_workers`-th pair,
+    from its own index. The shards are uniform random samples of one corpus, so equal numbers of shards (and of
+    parts of shards) are equal numbers of pairs, but for the sampling's noise. A worker needs its own shards and
+    the shared ones on its disk, and no other.
+    """
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"worker {worker} of {num_workers}: the index must be from 0 to {num_workers - 1}")
     if num_shards < num_workers:
         raise DataError(f"The prepared corpus has {num_shards} shard(s), fewer than the {num_workers} workers "
                         f"training on it: each worker reads its own. Run kt-prepare again with --shards "
-                        f"{num_workers} or more.")
-    return list(range(worker, num_shards, num_workers))
+                        f"{num_workers} or more (a multiple of {num_workers}).")
+    dealt = num_shards - num_shards % num_workers
+    return ([ShardPart(i) for i in range(worker, dealt, num_workers)]
+            + [ShardPart(i, worker, num_workers) for i in range(dealt, num_shards)])
+
+
+def sharing_note(num_shards: int, num_workers: int) -> str | None:
+    """What `worker_shards` does with shards that do not divide among the workers, in a sentence; None when
+    they divide."""
+    left = num_shards % num_workers
+    if not left or num_shards < num_workers:
+        return None
+    dealt = num_shards - left
+    shared = ", ".join(str(i) for i in range(dealt, num_shards))
+    return (f"{num_shards} shards do not divide among {num_workers} workers: each worker reads "
+            f"{dealt // num_workers} shard(s) of its own and one pair in {num_workers} of the {left} left over "
+            f"(shard(s) {shared}), so that every worker reads as many pairs and every pair is trained on; every "
+            f"worker needs the shard(s) left over on its disk. With kt-prepare --shards {dealt} or "
+            f"{dealt + num_workers}, each would read only its own.")
+
+
+def _names(corpus: PreparedCorpus, shards: list) -> str:
+    """The files of `shards` (indices or `ShardPart`s) for a message: the first few, then how many more."""
+    files = [corpus.shards[s.shard if isinstance(s, ShardPart) else s]["file"] for s in shards]
+    shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return f"{corpus.directory}/{{{shown}}}" if len(files) > 1 else f"{corpus.directory / files[0]}"
+
+
+def check_usable(corpus: PreparedCorpus, shards: list, max_sentence_length: int) -> None:
+    """A `DataError` when the manifest shows that `shards` (indices or `ShardPart`s) hold no pair a batch can
+    take: none at all, or none of at most `max_sentence_length` tokens (the longer side, with its start or end
+    id). The shards' shortest pairs tell; a manifest from before they were recorded has the whole corpus's
+    histogram only, and `stream_batches` finds the rest."""
+    entries = [corpus.shards[s.shard if isinstance(s, ShardPart) else s] for s in shards]
+    what = _names(corpus, shards)
+    if not any(e["pairs"] for e in entries):
+        raise DataError(f"{what} hold(s) no pair: this worker would wait forever for a first batch. Prepare the "
+                        f"corpus again with fewer --shards (or train on fewer workers), so that every worker's "
+                        f"shards hold pairs.")
+    recorded = [e.get("shortest") for e in entries if e["pairs"]]
+    if all(r is not None for r in recorded):
+        shortest = min(recorded)
+    else:
+        shortest = next((i for i, n in enumerate(corpus.manifest["length_histogram"]) if n), 0)
+        what = f"the corpus {corpus.directory}"
+    if shortest > max_sentence_length:
+        raise DataError(f"No pair of {what} fits the length limit of {max_sentence_length} tokens "
+                        f"(--max-sentence-length): the shortest is {shortest} tokens (its longer side, with its "
+                        f"start or end id). Every batch would leave every pair out, and training would wait "
+                        f"forever for a first batch. Raise --max-sentence-length to {shortest} or more, or "
+                        f"prepare a corpus of shorter pairs.")
+
+
+def open_for_worker(directory, worker: int, num_workers: int, *, max_sentence_length: int,
+                    say: Callable[[str], None] = print) -> tuple[PreparedCorpus, list[ShardPart]]:
+    """The prepared corpus in `directory` and what worker `worker` of `num_workers` reads of it
+    (`worker_shards`), checked before training, the quick checks first: the manifest and the vocabulary's
+    SHA-256 (`open_prepared`), the worker's shards' sizes, that some pair of them fits `max_sentence_length`
+    (`check_usable`), then their SHA-256 digests, which `say` tells the time of (as it tells how shards that do not
+    divide among the workers are read, `sharing_note`). A `DataError` names the file and what to do."""
+    corpus = open_prepared(directory, shards=[])
+    parts = worker_shards(len(corpus.shards), worker, num_workers)
+    whose = (f" (worker {worker + 1} of {num_workers} reads it: a worker needs its own shards, any shared ones, "
+             f"the manifest and the vocabulary on its disk)" if num_workers > 1 else "")
+    corpus.check_sizes([p.shard for p in parts], whose)
+    check_usable(corpus, parts, max_sentence_length)
+    note = sharing_note(len(corpus.shards), num_workers)
+    if note:
+        say(note)
+    t0 = time.time()
+    read = corpus.verify(parts)
+    say(f"checked the SHA-256 of {'its' if num_workers > 1 else 'the'} {len(parts)} shard(s) "
+        f"({read / 1e6:,.1f} MB) against {corpus.manifest_file} in {time.time() - t0:.1f} s")
+    return corpus, parts
 
 
 def bucket_plan(max_sentence_length: int, tokens_per_replica: int, pad_to_bucket_boundary: bool = False):
@@ -176,18 +336,28 @@ def steps_per_epoch(corpus: PreparedCorpus, *, max_sentence_length: int, tokens_
 
 
 class _Pool:
-    """Several shards' arrays as one, with each pair's offset into the concatenated ids."""
+    """Several shards' arrays as one, with each pair's offset into the concatenated ids, and which pairs are
+    read (`read`: a mask, or None for all): a shared shard's are one in so many."""
 
-    def __init__(self, shards: list[dict]):
+    def __init__(self, shards: list[dict], parts: list[ShardPart] | None = None):
         self.source_ids = np.concatenate([s["source_ids"] for s in shards])
         self.target_ids = np.concatenate([s["target_ids"] for s in shards])
         self.source_lengths = np.concatenate([s["source_lengths"] for s in shards]).astype(np.int64)
         self.target_lengths = np.concatenate([s["target_lengths"] for s in shards]).astype(np.int64)
         self.source_offsets = np.cumsum(self.source_lengths) - self.source_lengths
         self.target_offsets = np.cumsum(self.target_lengths) - self.target_lengths
+        self.read = None
+        if parts is not None and any(p.step > 1 for p in parts):
+            self.read = np.concatenate([np.arange(len(s["source_lengths"])) % p.step == p.first
+                                        for s, p in zip(shards, parts)])
 
     def __len__(self):
         return len(self.source_lengths)
+
+    def keys(self) -> np.ndarray:
+        """Each read pair's longer side, with its start or end id (what the length limit and buckets go by)."""
+        keys = np.maximum(self.source_lengths, self.target_lengths) + 1
+        return keys if self.read is None else keys[self.read]
 
 
 def _scatter(ids, offsets, lengths, rows, width: int, first_column: int) -> np.ndarray:
@@ -221,10 +391,11 @@ def make_batch(pool: _Pool, rows: np.ndarray, width: int | None = None, copies: 
 
 def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_sentence_length: int, tokens_per_replica: int):
     """The row indices of each batch of `pool`, in a random order; pairs longer than `max_sentence_length` (either
-    side, with its start or end id) left out."""
+    side, with its start or end id), and those it does not read (`_Pool.read`), left out."""
     bounds, sizes, _ = bucket_plan(max_sentence_length, tokens_per_replica)
     keys = np.maximum(pool.source_lengths, pool.target_lengths) + 1
-    kept = np.flatnonzero(keys <= max_sentence_length)
+    fits = keys <= max_sentence_length
+    kept = np.flatnonzero(fits if pool.read is None else fits & pool.read)
     kept = kept[rng.permutation(len(kept))]
     bucket = np.searchsorted(bounds, keys[kept], side="right")
     order = np.argsort(bucket, kind="stable")  # random within each bucket
@@ -238,28 +409,48 @@ def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_sentence_length: 
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def stream_batches(corpus: PreparedCorpus, shards: list[int], *, max_sentence_length: int,
+def stream_batches(corpus: PreparedCorpus, shards: list, *, max_sentence_length: int,
                    tokens_per_replica: int, seed: int, start: int = 0, pad_to_bucket_boundary: bool = False,
                    copies: int = 1,
                    pool_pairs: int = POOL_PAIRS, epochs: int | None = None):
-    """Yields `((source, target_in), target_out)` numpy batches from `shards`, epoch after epoch (or `epochs`),
-    each epoch in a new order drawn from `seed` and `start` (kt-train's: the update a run resumes from, so
-    that a resumed run does not see its first epochs' order again)."""
+    """Yields `((source, target_in), target_out)` numpy batches from `shards` (shard indices, read whole, or
+    `ShardPart`s, `worker_shards`'), epoch after epoch (or `epochs`), each epoch in a new order drawn from
+    `seed` and `start` (kt-train's: the update a run resumes from, so that a resumed run does not see its
+    first epochs' order again). A pass over `shards` that yields no batch raises a `DataError` naming them and
+    the length limit: the stream would otherwise read them again and again, forever, without a batch."""
+    parts = [s if isinstance(s, ShardPart) else ShardPart(int(s)) for s in shards]
+    if not parts:
+        raise DataError("no shards to stream batches from")
     _, _, widths = bucket_plan(max_sentence_length, tokens_per_replica, pad_to_bucket_boundary)
     epoch = 0
     while epochs is None or epoch < epochs:
         rng = np.random.default_rng([seed, start, epoch])
-        order = [shards[i] for i in rng.permutation(len(shards))]
+        order = [parts[i] for i in rng.permutation(len(parts))]
+        batches, read, shortest = 0, 0, None
         while order:
-            loaded, pairs = [], 0
+            loaded, pooled, pairs = [], [], 0
             while order and pairs < pool_pairs:
-                loaded.append(corpus.load_shard(order.pop(0)))
-                pairs += len(loaded[-1]["source_lengths"])
-            pool = _Pool(loaded)
+                part = order.pop(0)
+                loaded.append(corpus.load_shard(part.shard))
+                pooled.append(part)
+                n = len(loaded[-1]["source_lengths"])
+                pairs += len(range(part.first, n, part.step))
+            pool = _Pool(loaded, pooled)
             del loaded
+            keys = pool.keys()
+            read += len(keys)
+            if len(keys):
+                shortest = int(keys.min()) if shortest is None else min(shortest, int(keys.min()))
             for bucket, rows in pool_batches(pool, rng, max_sentence_length=max_sentence_length,
                                              tokens_per_replica=tokens_per_replica):
+                batches += 1
                 yield make_batch(pool, rows, widths[bucket] if widths else None, copies)
+        if not batches:
+            held = (f"none of their {read:,} pairs fits the length limit of {max_sentence_length} tokens "
+                    f"(--max-sentence-length; the shortest is {shortest} tokens, its longer side with its start or "
+                    f"end id): raise the limit to {shortest} or more" if read else
+                    "they hold no pair: prepare the corpus with fewer --shards, or train on fewer workers")
+            raise DataError(f"A pass over {_names(corpus, parts)} gave no batch: {held}.")
         epoch += 1
 
 
@@ -267,7 +458,7 @@ BATCH_SIGNATURE = ((tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, 
                    tf.TensorSpec([None, None], tf.int32))
 
 
-def prepared_dataset(corpus: PreparedCorpus, shards: list[int], **kwargs) -> tf.data.Dataset:
+def prepared_dataset(corpus: PreparedCorpus, shards: list, **kwargs) -> tf.data.Dataset:
     """`stream_batches` as a `tf.data.Dataset` (prefetched: the batches are built while the model trains)."""
     ds = tf.data.Dataset.from_generator(lambda: stream_batches(corpus, shards, **kwargs),
                                         output_signature=BATCH_SIGNATURE)
@@ -275,3 +466,20 @@ def prepared_dataset(corpus: PreparedCorpus, shards: list[int], **kwargs) -> tf.
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.autotune.enabled = False  # as training.pipeline.make_batches: no autotuning thread
     return ds.with_options(options).prefetch(8)
+
+
+def worker_dataset_fn(corpus: PreparedCorpus, shards: list, pipeline: tuple[int, int], **kwargs):
+    """The dataset function (`strategy.distribute_datasets_from_function`'s) of the worker whose input pipeline
+    is `pipeline` (id, count: `training.distribute.input_pipeline`), streaming `shards`, what `open_for_worker`
+    checked for it, with `prepared_dataset`'s `kwargs`. A `RuntimeError` if TensorFlow numbers the pipeline
+    otherwise: the worker would stream shards it did not check, or another worker's."""
+
+    def dataset(context=tf.distribute.InputContext()):
+        numbered = (context.input_pipeline_id, context.num_input_pipelines)
+        if numbered != tuple(pipeline):
+            raise RuntimeError(f"TensorFlow numbers this worker's input pipeline {numbered[0]} of {numbered[1]}, but "
+                               f"its shards were picked and checked as pipeline {pipeline[0]} of {pipeline[1]} "
+                               f"(from TF_CONFIG): is TF_CONFIG the one the strategy was made with?")
+        return prepared_dataset(corpus, shards, **kwargs)
+
+    return dataset
