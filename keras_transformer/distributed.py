@@ -48,6 +48,8 @@ def take_over_accumulation(optimizer, accumulate=None) -> int:
     """Batches per update: `accumulate`, or the optimizer's `gradient_accumulation_steps`, which this sets to None
     (the update step accumulates, over every replica, and the optimizer applies each summed update once).
     Must run before the optimizer is built (its own accumulators are made in `build`)."""
+    if accumulate is not None and int(accumulate) < 1:
+        raise ValueError(f"accumulate must be 1 or more, got {accumulate!r}")
     optimizer = inner_optimizer(optimizer)
     own = optimizer.gradient_accumulation_steps
     if own and accumulate is not None and int(accumulate) != int(own):
@@ -60,17 +62,14 @@ def take_over_accumulation(optimizer, accumulate=None) -> int:
                 f"{own}) and is already built, so its accumulators exist: compile the model with a new optimizer "
                 "(its gradient_accumulation_steps is taken over by the update step), or give the step accumulate=")
         optimizer.gradient_accumulation_steps = None
-    steps = int(own or accumulate or 1)
-    if steps < 1:
-        raise ValueError(f"accumulate must be 1 or more, got {accumulate!r}")
-    return steps
+    return int(own or accumulate or 1)
 
 
 def check_variables_in_scope(model) -> None:
     """Raises a ValueError naming the fix when `model`'s variables were made outside the strategy it trains under
     (Keras 3.15 then fails in its distributed update with a bare AssertionError)."""
     strategy = model.distribute_strategy
-    if not tf.distribute.has_strategy() and model.distribute_strategy is tf.distribute.get_strategy():
+    if strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
         return  # the default strategy: one device, nothing to mirror
     outside = [v.path for v in model.variables
                if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))]
@@ -374,7 +373,7 @@ def use_update_step(model, accumulate: int) -> UpdateStep | None:
     if not model.built:
         with model.distribute_strategy.scope():
             model.build()
-    check_variables_in_scope(model)
     if not hasattr(model.loss, TOKEN_LOSS_METHOD):
+        check_variables_in_scope(model)
         return None
-    return UpdateStep.install(model, accumulate=accumulate)
+    return UpdateStep.install(model, accumulate=accumulate)  # which checks the variables itself

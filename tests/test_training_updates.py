@@ -301,6 +301,21 @@ def test_kt_train_accumulates_on_two_replicas_and_keeps_its_batch_plan_on_one(tm
 # `apply_summed_gradients` turns off: tests/test_keras_internals.py.)
 
 
+def test_the_update_step_refuses_fewer_than_one_batch_per_update():
+    """accumulate=0 is refused, as it was before the step took the optimizer's own accumulation over (it would
+    otherwise read as 1)."""
+    import keras
+
+    import keras_transformer as kt
+    from keras_transformer.distributed import UpdateStep
+
+    model = keras.Sequential([keras.Input((3, 4)), keras.layers.Dense(5)])
+    model.compile(keras.optimizers.SGD(0.1), loss=kt.MaskedSparseCategoricalCrossentropy())
+    for accumulate in (0, -2):
+        with pytest.raises(ValueError, match=f"accumulate must be 1 or more, got {accumulate}"):
+            UpdateStep(model, accumulate=accumulate)
+
+
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")
 def test_the_loss_scale_grows_and_the_weights_move_as_with_keras_own_step():
     """mixed_float16 on one device, no overflow: `UpdateStep` updates `LossScaleOptimizer`'s scale as Keras' own

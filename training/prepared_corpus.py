@@ -145,12 +145,9 @@ class PreparedCorpus:
         """A `DataError` unless shard `index`'s SHA-256 is the one the manifest records (checked once a process)."""
         if index in self.verified:
             return
+        self.check_sizes([index])  # there, at its size: a missing shard is named as such, not as a changed one
         entry = self.shards[index]
         path = self.directory / entry["file"]
-        if not path.is_file():
-            raise DataError(f"{path} is missing: the prepared corpus {self.directory} is incomplete or was changed. "
-                            f"Copy the shard again from the directory kt-prepare wrote, or run kt-prepare again "
-                            f"into a new directory.")
         if file_sha256(path) != entry["sha256"]:
             raise DataError(f"{path} does not match {self.manifest_file}: its SHA-256 is not the one recorded "
                             f"there, so its bytes were changed after kt-prepare wrote it (a disk fault, an "
