@@ -139,6 +139,7 @@ SIDECAR_FILENAME = "keras_transformer.json"
 # (beam size, our signature): the SavedModel's serving_default must be exported with --beam-size 4.
 DECODINGS = ((1, "greedy"), (4, "serving_default"))
 GREEDY_IDENTITY_GOAL = 0.95
+LENGTH_PENALTY = 1.0  # compare --length-penalty's default
 WORKER = Path(__file__).resolve().with_name("translate_worker.py")
 # Between two timed calls: CTranslate2's OpenMP threads spin for a while after their last op (Intel OpenMP's
 # KMP_BLOCKTIME), and the next system must not start beside them.
@@ -443,7 +444,7 @@ def run_compare(args) -> int:
     max_source_length = sidecar["max_source_length"]
 
     sp = spm.SentencePieceProcessor(model_file=str(Path(args.ct2_model) / TOKENIZER_FILENAME))
-    length_penalty, median_length = matched_length_penalty(args.alpha, references, sp)
+    length_penalty, median_length = matched_length_penalty(args.length_penalty, references, sp)
     if args.ct2_length_penalty is not None:
         length_penalty = args.ct2_length_penalty
     default_threads = (args.tf_inter_op_threads, args.tf_intra_op_threads or args.threads)
@@ -472,8 +473,8 @@ def run_compare(args) -> int:
                                          "--extra-output-length", str(EXTRA_OUTPUT_LENGTH), "--pad-id", str(PAD_ID)]))
         print(f"CPU: {cpu_line()}\n{len(sources)} sentences of {args.split}; each system in its own process: "
               + "; ".join(f"{w.name}: {json.dumps(w.description)}" for w in workers)
-              + f"; CTranslate2 length penalty {length_penalty:.3f} (ours: alpha {args.alpha}; median reference "
-              f"length {median_length:g} pieces); source ids identical: {same_sources} of {len(sources)}; "
+              + f"; CTranslate2 length penalty {length_penalty:.3f} (ours: alpha {args.length_penalty}; median "
+              f"reference length {median_length:g} pieces); source ids identical: {same_sources} of {len(sources)}; "
               f"load average {load_at_start[0]:.2f}", flush=True)
 
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -540,7 +541,7 @@ def run_compare(args) -> int:
             "systems": {w.name: w.description for w in workers},
             "saved_models": {name: str(path) for name, path, _ in ours},
             "ct2_model": str(args.ct2_model),
-            "alpha": args.alpha,
+            "alpha": args.length_penalty,
             "ct2_length_penalty": round(length_penalty, 4),
             "source_ids_identical": same_sources,
             "quality": quality,
@@ -580,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "for more exports or thread layouts, each in its own process. The first is the one the "
                         "translations are compared with")
     m.add_argument("--ct2-model", required=True, help="the directory `convert` wrote")
-    m.add_argument("--alpha", type=float, default=1.0, help="the length-penalty alpha the SavedModel was exported with")
+    m.add_argument("--length-penalty", type=float, metavar="A",
+                   help=f"the length penalty the SavedModel was exported with (default {LENGTH_PENALTY})")
+    run_dir.add_renamed_flags(m, "alpha")  # --alpha, still read (with a note): see main
     m.add_argument("--ct2-length-penalty", type=float, help="CTranslate2's length_penalty "
                    "(default: alpha * m / (m + 6), m = median reference length in pieces)")
     m.add_argument("--limit", type=int, default=1000, help="sentences at batch 64 (default 1000: all)")
@@ -601,7 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run_dir.take_renamed_flags(parser, args, f"{parser.prog}:")
+    if args.command == "compare" and args.length_penalty is None:  # no parser default: --alpha may give it
+        args.length_penalty = LENGTH_PENALTY
     return run_convert(args) if args.command == "convert" else run_compare(args)
 
 

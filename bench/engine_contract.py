@@ -10,7 +10,7 @@ same contract on every CI run, on the copy task and on the quick model's 100 val
 tests/test_export_signatures.py each signature's options on the quick model.
 
 The model's weights are mapped to float32 (`export.engine_weights.engine_model`). On the library's side,
-`kt.greedy_decode`, `kt.beam_search` and `kt.sample_decode` (`--beam-size`, `--alpha`), each in a
+`kt.greedy_decode`, `kt.beam_search` and `kt.sample_decode` (`--beam-size`, `--length-penalty`), each in a
 `tf.function`. On the export's side, the `Translator` that `kt-export --precision float32` saves (its other
 options at their defaults), saved as a SavedModel and loaded back with `tf.saved_model.load`, as TF Serving
 loads it; for `no_repeat_ngram`, a second one saved with `no_repeat_ngram_size` (`kt-export
@@ -52,6 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+LENGTH_PENALTY = 0.6  # --length-penalty's default
 
 
 def _trimmed_rows(tokens):
@@ -102,6 +103,8 @@ def _options(p, value):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from common.run_dir import add_renamed_flags
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True, help="directory written by kt-train")
     p.add_argument("--model-file", help="another .keras file in place of MODEL_DIR/model.keras (e.g. averaged)")
@@ -112,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="only the first N sentences (a quick check)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--beam-size", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--length-penalty", type=float, metavar="A",
+                   help=f"the length penalty of the library's searches and the export's (default {LENGTH_PENALTY})")
+    add_renamed_flags(p, "alpha")  # --alpha, still read (with a note): see main
     p.add_argument("--no-repeat-ngram-size", type=int, default=3, metavar="N",
                    help="the ban of the no_repeat_ngram option's export and library searches (default 3)")
     p.add_argument("--options", default=",".join(CHECKS),
@@ -125,8 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from common.run_dir import take_renamed_flags
+
     p = build_parser()
     args = p.parse_args(argv)
+    take_renamed_flags(p, args, f"{p.prog}:")
+    if args.length_penalty is None:  # no default in the parser: --alpha, its old name, may give it
+        args.length_penalty = LENGTH_PENALTY
     options = _options(p, args.options)
     if args.no_repeat_ngram_size < 1:
         p.error(f"--no-repeat-ngram-size must be >= 1, got {args.no_repeat_ngram_size}")
@@ -151,8 +161,8 @@ def main(argv=None) -> int:
     def saved_and_loaded(**options):
         """The float32 export's SavedModel signatures, saved and loaded back as TF Serving loads them."""
         translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, beam_size=args.beam_size,
-                                               length_penalty=args.alpha, precision="float32", parallel_loops="auto",
-                                               **options)
+                                               length_penalty=args.length_penalty, precision="float32",
+                                               parallel_loops="auto", **options)
         with tempfile.TemporaryDirectory() as tmp:
             translator.save(Path(tmp) / "1")
             return tf.saved_model.load(str(Path(tmp) / "1"))
@@ -163,7 +173,7 @@ def main(argv=None) -> int:
               if "no_repeat_ngram" in options else None)
     model, tokenizer, _ = load_model_dir(args.model_dir, model_file=args.model_file)
     model = engine_model(model, "float32")
-    beam, alpha, ngram = args.beam_size, args.alpha, args.no_repeat_ngram_size
+    beam, alpha, ngram = args.beam_size, args.length_penalty, args.no_repeat_ngram_size
     library = {
         "greedy": tf.function(lambda s: kt.greedy_decode(model, s, START_ID, END_ID, length_penalty=alpha)),
         "beam": tf.function(lambda s: kt.beam_search(model, s, START_ID, END_ID, beam, alpha)),
@@ -261,7 +271,7 @@ def main(argv=None) -> int:
 
     n = len(sources)
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, flags: {_cpu_flags()}")
-    print(f"{args.split}: {n} sentences, float32, beam {args.beam_size}, alpha {args.alpha}, "
+    print(f"{args.split}: {n} sentences, float32, beam {args.beam_size}, alpha {args.length_penalty}, "
           f"no_repeat_ngram_size {args.no_repeat_ngram_size}, {time.time() - t0:.0f}s")
     checks = {}
     for option in options:
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "sentences": n, "split": args.split, "beam_size": args.beam_size, "alpha": args.alpha,
+            "sentences": n, "split": args.split, "beam_size": args.beam_size, "alpha": args.length_penalty,
             "no_repeat_ngram_size": args.no_repeat_ngram_size, "beam_agreement": args.beam_agreement,
             "options": options, "checks": checks, "agree": agree, "prefixes_retokenized_otherwise": retokenized,
             "prefixes_off_greedy": off_greedy,

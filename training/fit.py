@@ -1,12 +1,18 @@
 """The fit: parallel text -> tokenizer -> batches -> `model.fit` under tf.distribute -> a model directory.
 
-`train(settings)` runs a whole kt-train run from its resolved settings
-(`training.config.resolve_settings`); `build_and_compile` is the model and
-compile step alone (benchmarks use it to compile exactly as training does).
+`train(settings)` runs a whole kt-train run from the settings as asked
+(`training.config.resolve_settings`), in named steps: where the run writes
+(`open_run_dir`), --init-from's model, the corpus, the vocabulary, the batch
+plan, then the run's settings, made once from what those found out
+(`resolve_run_settings`, the one place a setting changes), the batches
+(`make_fit_data`), the model, the callbacks, the fit and the saved run.
+`build_and_compile` is the model and compile step alone (benchmarks use it to
+compile exactly as training does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -91,11 +97,12 @@ def text_reason(settings: TrainSettings) -> str | None:
     return None
 
 
-def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool) -> TrainSettings:
+def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool, vocabulary: str | None) -> str:
     """Prepares the run's training corpus into MODEL_DIR/prepared with kt-prepare (the chief; the other
-    workers wait for its manifest) and returns `settings` with `prepared` set to it. The vocabulary is the run's
-    own if it has one (a resumed run), else --tokenizer's (or --init-from's), else trained as kt-train trains
-    one; a finished preparation is reused, a killed one starts again."""
+    workers wait for its manifest) and returns that directory. The vocabulary is the run's own if it has one (a
+    resumed run), else `vocabulary`, the one the run is given (--tokenizer's, or --init-from's:
+    `given_vocabulary`), else trained as kt-train trains one; a finished preparation is reused, a killed one
+    starts again."""
     from training.prepare import parse_args, prepare
     from training.prepared_corpus import MANIFEST_FILENAME
 
@@ -116,8 +123,8 @@ def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool) -
         if own.is_file() and not (out / MANIFEST_FILENAME).is_file():
             # A run begun on its text keeps the vocabulary its checkpoints are in.
             given, what, whose = own, f"this run's vocabulary {own}", "the run's"
-        elif settings.tokenizer:
-            given, what = settings.tokenizer, f"the vocabulary {settings.tokenizer}"
+        elif vocabulary:
+            given, what = vocabulary, f"the vocabulary {vocabulary}"
             whose = "--init-from's" if settings.init_from else "--tokenizer's"
         if given is not None:
             # The vocabulary's checks first, naming the file given, before anything is prepared with it.
@@ -137,7 +144,7 @@ def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool) -
         print(f"[kt-train] waiting for the chief worker to prepare the corpus into {out}", flush=True)
         _wait_for(out / MANIFEST_FILENAME, PREPARE_WAIT_SECONDS, what="the prepared corpus",
                   instead="prepare it once with kt-prepare and give every worker --prepared DIR")
-    return dataclasses.replace(settings, prepared=str(out))
+    return str(out)
 
 
 def _wait_for(path: Path, timeout: float = 1800.0, what: str = "the vocabulary",
@@ -153,22 +160,26 @@ def _wait_for(path: Path, timeout: float = 1800.0, what: str = "the vocabulary",
         time.sleep(0.5)
 
 
-def get_tokenizer_proto(settings: TrainSettings, train_pairs, model_dir: Path, is_chief: bool) -> tuple[bytes, bool]:
-    """Reuses model_dir/tokenizer.model (resume) or --tokenizer, else trains one on the training text
-    (case-folding with `settings.lowercase`). Returns the proto and whether it case-folds. A cased vocabulary
-    where `settings.lowercase` asks for a case-folding one is a `ConfigError`."""
+def get_tokenizer_proto(settings: TrainSettings, train_pairs, model_dir: Path, is_chief: bool, *,
+                        tokenizer: str | None = None, flag: str | None = None) -> tuple[bytes, bool]:
+    """Reuses the vocabulary the run is given, `tokenizer` (by default --tokenizer's) by `flag` (the log line's
+    name for it; by default --init-from, --prepared or --tokenizer, as `settings` say), else model_dir/tokenizer.model
+    (resume), else trains one on the training text (case-folding with `settings.lowercase`). Returns the proto and
+    whether it case-folds. A cased vocabulary where `settings.lowercase` asks for a case-folding one is a
+    `ConfigError`."""
     path = model_dir / TOKENIZER_FILENAME
-    if settings.tokenizer:
-        proto = read_tokenizer_proto(settings.tokenizer)
+    given = tokenizer or settings.tokenizer
+    if given:
+        proto = read_tokenizer_proto(given)
         check_special_ids(proto)
         folding = lowercases(proto)
-        _check_lowercase(settings, folding, f"the vocabulary {settings.tokenizer}",
+        _check_lowercase(settings, folding, f"the vocabulary {given}",
                          "--init-from's" if settings.init_from else "--tokenizer's")
         if is_chief:
             path.write_bytes(proto)
-            flag = "--init-from" if settings.init_from else "--prepared" if settings.prepared else "--tokenizer"
-            print(f"[kt-train] tokenizer: {settings.tokenizer} ({flag}{_folding(folding)}), copied to {path}",
-                  flush=True)
+            flag = flag or ("--init-from" if settings.init_from else "--prepared" if settings.prepared
+                            else "--tokenizer")
+            print(f"[kt-train] tokenizer: {given} ({flag}{_folding(folding)}), copied to {path}", flush=True)
         return proto, folding
     if path.exists():
         proto = read_tokenizer_proto(path)
@@ -241,7 +252,7 @@ def compile_model(model, settings: TrainSettings, optimizer=None):
         optimizer = kt.paper_adam(model.d_model, warmup_steps=settings.warmup_steps,
                                   scale=settings.learning_rate_scale, **kwargs)
     if settings.r_drop:
-        # The training and validation batches hold every pair twice in a row (make_batches(copies=2), in train()).
+        # The training and validation batches hold every pair twice in a row (make_batches(copies=2): `_copies`).
         loss = kt.MaskedRDropCrossentropy(kl_weight=settings.r_drop, label_smoothing=settings.label_smoothing)
     else:
         loss = kt.MaskedSparseCategoricalCrossentropy(label_smoothing=settings.label_smoothing)
@@ -336,14 +347,40 @@ def continue_finished_run(settings: TrainSettings, model_dir: Path, out_dir: Pat
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """Where and on what a run trains, found out by `train` before the fit."""
-    strategy: tf.distribute.Strategy
+class RunPlace:
+    """Where this process of a run writes, and which worker it is (`open_run_dir`)."""
     model_dir: Path  # --model-dir: config.json, model.keras, the tokenizer
     out_dir: Path  # this worker's checkpoints, backup, logs and history: model_dir on the chief
     is_chief: bool
     task_index: int
     num_workers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """What a run trains on (`open_corpus`): a prepared corpus, of which this worker reads `worker`, or the
+    training text's pairs, read into memory."""
+    prepared: PreparedCorpus | None  # None: the corpus is read as text (`text_reason`)
+    directory: str | None  # the prepared corpus's: --prepared's, or the one kt-train prepared into the run
+    worker: list | None  # `open_for_worker`'s: the shards (or shares of shards) this worker reads
+    pipeline: tuple[int, int] | None  # this worker's input pipeline (id, count: `input_pipeline`)
+    pairs: tf.data.Dataset | None  # the training text's (source, target) pairs, when it is read as text
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """The run's sentencepiece vocabulary (`get_vocabulary`)."""
+    proto: bytes
+    lowercase: bool  # whether it case-folds
+    tokenizer: object  # `common.tokenizer.make_tokenizer`'s, most likely segmentation
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Where and on what a run trains, found out by `train` before the fit."""
+    strategy: tf.distribute.Strategy
+    place: RunPlace  # the directories and the worker
     replicas: int  # in sync, over all workers
     vocab_size: int
     policy: str  # Keras' dtype policy, set for the fit
@@ -361,12 +398,48 @@ class FitData:
     batch_contents: dict | None  # `mean_target_tokens` of the first batches (the chief's)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunCallbacks:
+    """`model.fit`'s callbacks (`make_callbacks`), and those the summary reads."""
+    all: list
+    backup: ResumableBackup
+    updates: UpdateBudget | None  # --max-updates'
+    budget: TimeBudget | None  # --max-minutes'
+
+
 def train(settings: TrainSettings, strategy=None) -> dict:
-    """Runs training as `settings` say; returns a summary dict (also printed as JSON)."""
+    """Runs training as `settings` say; returns a summary dict (also printed as JSON).
+
+    `settings` are the settings as asked (`training.config.resolve_settings`). The steps that find out what the
+    run is made of (where it writes, --init-from's model, the corpus, the vocabulary, the batch plan) read them;
+    `resolve_run_settings` then makes the run's settings from them, once, and the steps after (the batches, the
+    model, the fit, config.json) read those."""
     check_settings(settings)
     if strategy is None:
         strategy = make_strategy(settings.cpu_replicas)
     tfds.disable_progress_bar()
+    place = open_run_dir(settings)
+    keras.utils.set_random_seed(settings.seed)
+    init = fine_tuning_start(settings)
+    corpus = open_corpus(settings, place, init)
+    vocabulary = get_vocabulary(settings, place, init, corpus)
+    plan = plan_batches(settings, strategy.num_replicas_in_sync, place)
+    run_settings = resolve_run_settings(settings, init=init, corpus=corpus, lowercase=vocabulary.lowercase, plan=plan)
+    data = make_fit_data(run_settings, strategy, place, corpus, vocabulary, plan)
+    with dtype_policy(run_settings) as policy:
+        run = Run(strategy, place, strategy.num_replicas_in_sync, vocabulary.size, policy, plan, init)
+        model = build_run_model(run_settings, run, data)
+        initial_val_loss = loss_before_fine_tuning(model, run, data)
+        callbacks = make_callbacks(run_settings, run, data)
+        summary = fit_model(model, run_settings, run, data, callbacks, initial_val_loss)
+        save_run(model, run_settings, run, data, summary)
+        return summary
+
+
+def open_run_dir(settings: TrainSettings) -> RunPlace:
+    """Takes the settings as asked; makes --model-dir (and, on a worker that is not the chief, its own directory
+    in it) and returns where this process writes. A finished run trained into again is made to resume from its
+    last checkpoint (`continue_finished_run`, which writes the backup)."""
     is_chief, task_index, num_workers = worker_info()
     model_dir = Path(settings.model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -375,176 +448,287 @@ def train(settings: TrainSettings, strategy=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     if (model_dir / MODEL_FILENAME).exists() and not (out_dir / "backup").exists():
         continue_finished_run(settings, model_dir, out_dir)
-    keras.utils.set_random_seed(settings.seed)
-    init = None
-    if settings.init_from:
-        # Fine-tuning reuses the vocabulary and architecture of the model it starts from.
-        if settings.tokenizer:
-            raise ConfigError("--init-from reuses that model's vocabulary: drop --tokenizer")
-        init = resolve_init_from(settings.init_from)
-        settings = dataclasses.replace(settings, tokenizer=str(init.tokenizer_file),
-                                       preset=init.preset or settings.preset)
+    return RunPlace(model_dir, out_dir, is_chief, task_index, num_workers)
 
+
+def fine_tuning_start(settings: TrainSettings) -> InitFrom | None:
+    """Takes the settings as asked; returns --init-from's model (`resolve_init_from`), whose vocabulary and
+    architecture fine-tuning reuses, or None without --init-from. A `ConfigError` with --tokenizer too."""
+    if not settings.init_from:
+        return None
+    if settings.tokenizer:
+        raise ConfigError("--init-from reuses that model's vocabulary: drop --tokenizer")
+    return resolve_init_from(settings.init_from)
+
+
+def given_vocabulary(settings: TrainSettings, init: InitFrom | None) -> str | None:
+    """The vocabulary file the run is given: --init-from's (`init`), else --tokenizer's, else None."""
+    return str(init.tokenizer_file) if init is not None else settings.tokenizer
+
+
+def open_corpus(settings: TrainSettings, place: RunPlace, init: InitFrom | None) -> Corpus:
+    """Takes the settings as asked, `open_run_dir`'s place and `fine_tuning_start`'s model; returns the training
+    corpus. A corpus read as text (`text_reason`) is loaded into memory; any other is prepared into the run first
+    (`prepare_into_run`), unless --prepared gives it, and this worker's shards of it are checked
+    (`open_for_worker`), and its languages and vocabulary against the run's (`ConfigError`)."""
+    directory = settings.prepared
     if text_reason(settings) is None:
-        settings = prepare_into_run(settings, model_dir, is_chief)
-    corpus = None
-    if settings.prepared:
-        # This worker's shards, numbered as its input pipeline is (with a chief, not by `task_index`), all checked
-        # before the first update: what it reads at start-up is what it streams.
-        pipeline = input_pipeline()
-        corpus, worker = open_for_worker(settings.prepared, *pipeline,
-                                         max_sentence_length=settings.max_sentence_length,
-                                         say=lambda line: print(f"[kt-train] {line}", flush=True))
-    if corpus is not None:
-        # The corpus's ids are in its vocabulary; no worker trains one or waits for one.
-        for key in ("source_lang", "target_lang"):
-            if getattr(settings, key) != corpus.manifest[key]:
-                raise ConfigError(f"--{key.replace('_', '-')} {getattr(settings, key)} but {corpus.directory} was "
-                                  f"prepared with {corpus.manifest[key]}")
-        if settings.init_from and Path(settings.tokenizer).read_bytes() != corpus.tokenizer_file.read_bytes():
-            raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
-                              f"it with kt-prepare --tokenizer {settings.tokenizer}")
-        # config.json's dataset is where kt-evaluate finds the test set: a TFDS corpus's, or files it is given.
-        validation = corpus.manifest.get("validation") or {}
-        settings = dataclasses.replace(settings, dataset=validation.get("tfds", "files"),
-                                       data_dir=settings.data_dir or validation.get("data_dir"),
-                                       tfds_data_dir=settings.tfds_data_dir or validation.get("tfds_data_dir"))
-        train_pairs = None
-        proto, folding = get_tokenizer_proto(dataclasses.replace(settings, tokenizer=str(corpus.tokenizer_file)),
-                                             None, model_dir, is_chief)
+        directory = prepare_into_run(settings, place.model_dir, place.is_chief, given_vocabulary(settings, init))
+    if not directory:
+        pairs = load_text_pairs(data_spec(settings), "train", max_examples=settings.max_train_examples)
+        return Corpus(None, directory, None, None, pairs)
+    # This worker's shards, numbered as its input pipeline is (with a chief, not by `task_index`), all checked
+    # before the first update: what it reads at start-up is what it streams.
+    pipeline = input_pipeline()
+    corpus, worker = open_for_worker(directory, *pipeline, max_sentence_length=settings.max_sentence_length,
+                                     say=lambda line: print(f"[kt-train] {line}", flush=True))
+    for key in ("source_lang", "target_lang"):
+        if getattr(settings, key) != corpus.manifest[key]:
+            raise ConfigError(f"--{key.replace('_', '-')} {getattr(settings, key)} but {corpus.directory} was "
+                              f"prepared with {corpus.manifest[key]}")
+    if init is not None and init.tokenizer_file.read_bytes() != corpus.tokenizer_file.read_bytes():
+        raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
+                          f"it with kt-prepare --tokenizer {init.tokenizer_file}")
+    return Corpus(corpus, directory, worker, pipeline, None)
+
+
+def get_vocabulary(settings: TrainSettings, place: RunPlace, init: InitFrom | None, corpus: Corpus) -> Vocabulary:
+    """Takes the settings as asked, the place, --init-from's model and `open_corpus`'s corpus; returns the run's
+    vocabulary (`get_tokenizer_proto`): a prepared corpus's (its ids are in it: no worker trains one or waits for
+    one), else --init-from's or --tokenizer's, else the run's own, else one trained on the training text."""
+    if corpus.prepared is not None:
+        given, flag = str(corpus.prepared.tokenizer_file), "--init-from" if init is not None else "--prepared"
     else:
-        train_pairs = load_text_pairs(data_spec(settings), "train", max_examples=settings.max_train_examples)
-        proto, folding = get_tokenizer_proto(settings, train_pairs, model_dir, is_chief)
-    spec = data_spec(settings, corpus)
-    # config.json records what the vocabulary does (a --tokenizer may case-fold without --lowercase):
-    # kt-evaluate scores a case-folding model's output case-insensitively.
-    settings = dataclasses.replace(settings, lowercase=folding)
-    tokenizer = make_tokenizer(proto)
-    vocab_size = vocab_size_of(proto)
-    replicas = strategy.num_replicas_in_sync
-    plan = batch_plan(settings, replicas, previous_batch_plan(model_dir, out_dir))
+        given, flag = given_vocabulary(settings, init), "--init-from" if init is not None else "--tokenizer"
+    proto, folding = get_tokenizer_proto(settings, corpus.pairs, place.model_dir, place.is_chief,
+                                         tokenizer=given, flag=flag)
+    return Vocabulary(proto, folding, make_tokenizer(proto), vocab_size_of(proto))
+
+
+def plan_batches(settings: TrainSettings, replicas: int, place: RunPlace) -> dict:
+    """Takes the settings as asked, the replicas in sync and the place; returns the batch plan
+    (`training.config.batch_plan`), which keeps the tokens per update a resumed run recorded, and says it (the
+    chief; any worker says when a resume on another number of replicas changes the batches per update)."""
+    plan = batch_plan(settings, replicas, previous_batch_plan(place.model_dir, place.out_dir))
     if plan["grad_accum"] != settings.grad_accum:
         print(f"[kt-train] resumed on {replicas} replica(s): {plan['grad_accum']} batches per update (not "
               f"{settings.grad_accum}) keep the run's {plan['tokens_per_update']:,} tokens per update", flush=True)
-    settings = dataclasses.replace(settings, grad_accum=plan["grad_accum"])
-    if is_chief:
+    if place.is_chief:
         budget = "--tokens-per-replica" if settings.tokens_per_replica else "--tokens-per-batch split between the replicas"
         print(f"[kt-train] batch plan: {replicas} replica(s) x {plan['tokens_per_replica']:,} tokens per replica "
               f"x {plan['grad_accum']} batch(es) per update = {plan['tokens_per_update']:,} tokens per update "
               f"(budgets of padded tokens per side; {budget})", flush=True)
-    batch_args = dict(max_sentence_length=settings.max_sentence_length,
-                      tokens_per_batch=plan["tokens_per_replica"] * replicas,
-                      num_replicas=replicas, pad_to_bucket_boundary=settings.jit_compile)
+    return plan
+
+
+def resolve_run_settings(settings: TrainSettings, *, init: InitFrom | None, corpus: Corpus, lowercase: bool,
+                         plan: dict) -> TrainSettings:
+    """The run's settings: `settings` as asked, with what the run found out. The one place kt-train changes a
+    setting; the batches, the model, the fit and config.json's "training" read the settings returned.
+
+    - `tokenizer` and `preset`: --init-from's model's (`init`), whose vocabulary and architecture it reuses;
+    - `prepared`: the prepared corpus's directory (`corpus`), the run's own when kt-train prepared it;
+    - `dataset`, `data_dir`, `tfds_data_dir`: a prepared corpus's validation set's, where kt-evaluate finds the
+      test set (a TFDS corpus's, or files it is given);
+    - `lowercase`: whether the vocabulary case-folds (a --tokenizer may without --lowercase): kt-evaluate scores a
+      case-folding model's output case-insensitively;
+    - `grad_accum`: the batch plan's (`plan`), which a resume on another number of replicas may change;
+    - `epochs`: none with --checkpoint-every, whose spans of N updates are Keras' epochs (`make_fit_data`).
+    """
+    changes = dict(prepared=corpus.directory, lowercase=lowercase, grad_accum=plan["grad_accum"])
+    if init is not None:
+        changes.update(tokenizer=str(init.tokenizer_file), preset=init.preset or settings.preset)
+    if corpus.prepared is not None:
+        validation = corpus.prepared.manifest.get("validation") or {}
+        changes.update(dataset=validation.get("tfds", "files"),
+                       data_dir=settings.data_dir or validation.get("data_dir"),
+                       tfds_data_dir=settings.tfds_data_dir or validation.get("tfds_data_dir"))
+    if settings.checkpoint_every:
+        changes["epochs"] = None
+    return dataclasses.replace(settings, **changes)
+
+
+def make_fit_data(settings: TrainSettings, strategy, place: RunPlace, corpus: Corpus, vocabulary: Vocabulary,
+                  plan: dict) -> FitData:
+    """Takes the run's settings (`resolve_run_settings`), the strategy, the place, the corpus, the vocabulary and the
+    batch plan; returns what `model.fit` reads (`FitData`): the training batches (`training_batches`), the chief's
+    count of them (`count_batches`) and the validation set (`validation_batches`)."""
+    replicas = strategy.num_replicas_in_sync
+    train_ds, steps = training_batches(settings, strategy, place, corpus, vocabulary, plan)
+    batch_contents = count_batches(settings, place, corpus, vocabulary, plan, replicas) if place.is_chief else None
+    val_ds, val_bleu = validation_batches(settings, corpus, vocabulary, plan, replicas)
+    return FitData(train_ds, val_ds, steps, val_bleu, batch_contents)
+
+
+def _batch_args(settings: TrainSettings, plan: dict, replicas: int) -> dict:
+    """`make_batches`' batch arguments: batches of all replicas."""
+    return dict(max_sentence_length=settings.max_sentence_length,
+                tokens_per_batch=plan["tokens_per_replica"] * replicas,
+                num_replicas=replicas, pad_to_bucket_boundary=settings.jit_compile)
+
+
+def _copies(settings: TrainSettings) -> int:
+    """How many times each pair is in its batch. R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where
+    without dropout the two agree and the loss is the plain one. The batch counts see each pair once: what an
+    update trains on."""
+    return 2 if settings.r_drop else 1
+
+
+def _stream_args(settings: TrainSettings, plan: dict, place: RunPlace) -> dict:
+    """`prepared_dataset`'s arguments: one replica's batches, from where a resumed run's backup stopped."""
+    return dict(max_sentence_length=settings.max_sentence_length, tokens_per_replica=plan["tokens_per_replica"],
+                seed=settings.seed, start=ResumableBackup.saved_step(place.out_dir / "backup"),
+                pad_to_bucket_boundary=settings.jit_compile, copies=_copies(settings))
+
+
+def training_batches(settings: TrainSettings, strategy, place: RunPlace, corpus: Corpus, vocabulary: Vocabulary,
+                     plan: dict) -> tuple:
+    """Takes the run's settings, the strategy, the place, the corpus, the vocabulary and the batch plan; returns
+    (the training batches, Keras' steps per epoch or None for a pass over them) and says what they are read from."""
+    replicas = strategy.num_replicas_in_sync
     steps = settings.steps_per_epoch
     if settings.checkpoint_every:
         # A recipe by updates: Keras' epochs are spans of N updates over the repeated stream, each ending in the
         # validation and a history row; the checkpoints follow the update count itself (`UpdateCheckpoint`).
         steps = settings.checkpoint_every * settings.grad_accum
-        settings = dataclasses.replace(settings, epochs=None)
     sampling_alpha = settings.subword_sampling
-    train_tokenizer = make_tokenizer(proto, sampling_alpha=sampling_alpha) if sampling_alpha else tokenizer
-    # R-Drop's loss pairs rows 2i and 2i + 1, in validation too, where without dropout the two agree and
-    # the loss is the plain one. The batch counts below see each pair once: what an update trains on.
-    copies = 2 if settings.r_drop else 1
-    if corpus is not None:
-        stream = dict(max_sentence_length=settings.max_sentence_length, tokens_per_replica=plan["tokens_per_replica"],
-                      seed=settings.seed, start=ResumableBackup.saved_step(out_dir / "backup"),
-                      pad_to_bucket_boundary=settings.jit_compile, copies=copies)
-
+    train_tokenizer = (make_tokenizer(vocabulary.proto, sampling_alpha=sampling_alpha) if sampling_alpha
+                       else vocabulary.tokenizer)
+    if corpus.prepared is not None:
+        prepared, worker, pipeline = corpus.prepared, corpus.worker, corpus.pipeline
         # One batch per replica: each of this worker's replicas takes the next one in turn.
-        worker_batches = worker_dataset_fn(corpus, worker, pipeline, **stream)
-        train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or num_workers > 1
+        worker_batches = worker_dataset_fn(prepared, worker, pipeline, **_stream_args(settings, plan, place))
+        train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or place.num_workers > 1
                     else worker_batches())
-        one_pass = steps_per_epoch(corpus, max_sentence_length=settings.max_sentence_length,
+        one_pass = steps_per_epoch(prepared, max_sentence_length=settings.max_sentence_length,
                                    tokens_per_replica=plan["tokens_per_replica"], replicas=replicas)
         steps = steps or one_pass
         span = (f"a pass over it is {one_pass // settings.grad_accum:,} updates; a checkpoint and the validation "
                 f"every {settings.checkpoint_every:,} updates (--checkpoint-every)" if settings.checkpoint_every
                 else f"an epoch is {steps // settings.grad_accum:,} updates")
         own, shared = sum(p.step == 1 for p in worker), sum(p.step > 1 for p in worker)
-        print(f"[kt-train] data: {corpus.directory} ({corpus.pairs:,} pairs in {len(corpus.shards)} shards; "
+        print(f"[kt-train] data: {prepared.directory} ({prepared.pairs:,} pairs in {len(prepared.shards)} shards; "
               f"worker {pipeline[0] + 1}/{pipeline[1]} reads {own}"
               f"{f' and one pair in {pipeline[1]} of {shared} more' if shared else ''}); {span}", flush=True)
+        return train_ds, steps
+    reason = text_reason(settings)
+    print(f"[kt-train] data: {settings.dataset}'s text, read into memory and tokenized every epoch "
+          f"({reason}: {'small' if reason == 'Multi30k' else 'not prepared'}; --train-files and TFDS corpora are "
+          "prepared into the run first)", flush=True)
+    train_ds = make_batches(corpus.pairs, train_tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
+                            seed=settings.seed, repeat=bool(steps), copies=_copies(settings),
+                            **_batch_args(settings, plan, replicas))
+    return train_ds, steps
+
+
+def count_batches(settings: TrainSettings, place: RunPlace, corpus: Corpus, vocabulary: Vocabulary, plan: dict,
+                  replicas: int) -> dict:
+    """Takes the run's settings, the place, the corpus, the vocabulary, the batch plan and the replicas; returns
+    `mean_target_tokens` of the first training batches, with the target tokens per update, and says them (the
+    chief's)."""
+    if corpus.prepared is not None:
+        counted = prepared_dataset(corpus.prepared, corpus.worker,
+                                   **{**_stream_args(settings, plan, place), "copies": 1})
     else:
-        reason = text_reason(settings)
-        print(f"[kt-train] data: {spec.dataset}'s text, read into memory and tokenized every epoch ({reason}: "
-              f"{'small' if reason == 'Multi30k' else 'not prepared'}; --train-files and TFDS corpora are "
-              "prepared into the run first)", flush=True)
-        train_ds = make_batches(train_pairs, train_tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
-                                seed=settings.seed, repeat=bool(steps), copies=copies, **batch_args)
-    batch_contents = None
-    if is_chief:
-        if corpus is not None:
-            counted = prepared_dataset(corpus, worker, **{**stream, "copies": 1})
-        else:
-            # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
-            counted = make_batches(train_pairs, tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
-                                   seed=settings.seed, **batch_args)
-        batch_contents = mean_target_tokens(counted)
-        accum = settings.grad_accum
-        # Per batch of all replicas: the prepared stream's batches are one replica's.
-        per_batch = 1 if corpus is None else replicas
-        batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum * per_batch)
-        print(f"[kt-train] batches: {batch_contents['target_tokens_per_update']:,} target tokens per update "
-              f"on average ({batch_contents['target_tokens']:,.0f} per batch, "
-              f"{batch_contents['padded_target_tokens']:,.0f} with padding, {batch_contents['sentences']:.0f} "
-              f"sentences; the first {batch_contents['batches']} batches"
-              f"{f' of one replica, {replicas} replicas' if per_batch > 1 else ''}"
-              f"{f', {accum} batches per update' if accum > 1 else ''})"
-              f"{'; R-Drop: each sentence twice in its batch' if copies > 1 else ''}", flush=True)
-    val_ds = val_bleu = None
+        # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
+        counted = make_batches(corpus.pairs, vocabulary.tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
+                               seed=settings.seed, **_batch_args(settings, plan, replicas))
+    batch_contents = mean_target_tokens(counted)
+    accum = settings.grad_accum
+    # Per batch of all replicas: the prepared stream's batches are one replica's.
+    per_batch = 1 if corpus.prepared is None else replicas
+    batch_contents["target_tokens_per_update"] = round(batch_contents["target_tokens"] * accum * per_batch)
+    print(f"[kt-train] batches: {batch_contents['target_tokens_per_update']:,} target tokens per update "
+          f"on average ({batch_contents['target_tokens']:,.0f} per batch, "
+          f"{batch_contents['padded_target_tokens']:,.0f} with padding, {batch_contents['sentences']:.0f} "
+          f"sentences; the first {batch_contents['batches']} batches"
+          f"{f' of one replica, {replicas} replicas' if per_batch > 1 else ''}"
+          f"{f', {accum} batches per update' if accum > 1 else ''})"
+          f"{'; R-Drop: each sentence twice in its batch' if _copies(settings) > 1 else ''}", flush=True)
+    return batch_contents
+
+
+def validation_batches(settings: TrainSettings, corpus: Corpus, vocabulary: Vocabulary, plan: dict,
+                       replicas: int) -> tuple:
+    """Takes the run's settings, the corpus, the vocabulary, the batch plan and the replicas; returns (the
+    validation batches, --val-bleu's `ValidationBLEU`), each None when not asked for or without validation data
+    (a `ConfigError` for --val-bleu then)."""
+    spec = data_spec(settings, corpus.prepared)
     if settings.validation and (spec.dataset != "files" or (spec.files and "validation" in spec.files)):
         val_pairs = load_text_pairs(spec, "validation", max_examples=settings.max_eval_examples)
-        val_ds = make_batches(val_pairs, tokenizer, shuffle=False, copies=copies, **batch_args)
+        val_ds = make_batches(val_pairs, vocabulary.tokenizer, shuffle=False, copies=_copies(settings),
+                              **_batch_args(settings, plan, replicas))
+        val_bleu = None
         if settings.val_bleu:
             texts = [(s.decode("utf-8"), t.decode("utf-8")) for s, t in val_pairs.as_numpy_iterator()]
-            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], tokenizer,
-                                      settings.max_sentence_length,
-                                      lowercase=settings.lowercase)
-    elif settings.val_bleu:
+            val_bleu = ValidationBLEU([s for s, _ in texts], [t for _, t in texts], vocabulary.tokenizer,
+                                      settings.max_sentence_length, lowercase=settings.lowercase)
+        return val_ds, val_bleu
+    if settings.val_bleu:
         raise ConfigError("--val-bleu needs validation data (--valid-files with --dataset files; "
                           "not --no-validation)")
+    return None, None
 
+
+@contextlib.contextmanager
+def dtype_policy(settings: TrainSettings):
+    """Sets Keras' global dtype policy for the fit as the run's settings say (`set_precision`, which says it) and
+    yields it; the policy before is set again after."""
     previous_policy = keras.mixed_precision.global_policy()
     policy = set_precision(settings)
     try:
-        run = Run(strategy, model_dir, out_dir, is_chief, task_index, num_workers, replicas, vocab_size, policy,
-                  plan, init)
-        return _fit(settings, run, FitData(train_ds, val_ds, steps, val_bleu, batch_contents))
+        yield policy
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
-def _fit(settings: TrainSettings, run: Run, data: FitData) -> dict:
-    """Builds (or restores) the model under `run.strategy`, fits it on `data` with kt-train's callbacks, and
-    writes config.json and model.keras (the chief)."""
-    strategy, model_dir, out_dir, init = run.strategy, run.model_dir, run.out_dir, run.init
+def _config_extra(run: Run, data: FitData) -> dict:
+    """What config.json records besides the settings and the model: the batch plan and the batches' count."""
+    extra = {"batch_plan": run.plan} if run.plan else {}
+    if data.batch_contents:
+        extra["batches"] = data.batch_contents
+    return extra
+
+
+def build_run_model(settings: TrainSettings, run: Run, data: FitData):
+    """Takes the run's settings, the `Run` and the `FitData`; returns the compiled model, built under
+    `run.strategy` (with --init-from's weights), after writing config.json (the chief) and saying what it is."""
+    strategy, init = run.strategy, run.init
     weights = init_weights(init) if init is not None else None  # read outside the strategy's scope
     with strategy.scope():
         model = build_and_compile(settings, run.vocab_size, init=init)
         if weights is not None:
             set_init_weights(model, weights, init)
+    if run.place.is_chief:
+        write_config(settings, run.place.model_dir, run.vocab_size, model, run.policy, extra=_config_extra(run, data))
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-    batches_extra = {"batch_plan": run.plan} if run.plan else {}
-    if data.batch_contents:
-        batches_extra["batches"] = data.batch_contents
-    if run.is_chief:
-        write_config(settings, model_dir, run.vocab_size, model, run.policy, extra=batches_extra)
     shape = f"preset {settings.preset}" + (f" with {json.dumps(settings.model)}" if settings.model else "")
     strategy_name = "MultiWorkerMirroredStrategy" if multi_worker else type(strategy).__name__.lstrip("_")
-    print(f"[kt-train] {run.replicas} replica(s) ({strategy_name}, worker {run.task_index + 1}/{run.num_workers}), "
-          f"{shape}, vocab {run.vocab_size}, {model.count_params():,} parameters, policy {run.policy}",
-          flush=True)
+    print(f"[kt-train] {run.replicas} replica(s) ({strategy_name}, worker {run.place.task_index + 1}/"
+          f"{run.place.num_workers}), {shape}, vocab {run.vocab_size}, {model.count_params():,} parameters, "
+          f"policy {run.policy}", flush=True)
+    return model
 
-    backup_dir = out_dir / "backup"
-    backup = ResumableBackup(backup_dir, settings.backup_every or "epoch", num_workers=run.num_workers)
-    initial_val_loss = None
-    if init is not None and data.validation is not None and not backup_dir.exists():
-        # Where fine-tuning starts on the new data: the first epoch's val_loss is measured against it.
-        with ignoring_ran_out_of_data():
-            initial_val_loss = float(model.evaluate(data.validation, verbose=0, return_dict=True)["loss"])
-        print(f"[kt-train] --init-from {init.model_file}: validation loss {initial_val_loss:.4f} before "
-              "fine-tuning (fresh optimizer and learning-rate schedule)", flush=True)
+
+def loss_before_fine_tuning(model, run: Run, data: FitData) -> float | None:
+    """Takes the model, the `Run` and the `FitData`; returns the validation loss fine-tuning starts from, and says
+    it: where the first epoch's val_loss is measured against. None without --init-from or validation data, or on a
+    resume."""
+    if run.init is None or data.validation is None or (run.place.out_dir / "backup").exists():
+        return None
+    with ignoring_ran_out_of_data():
+        initial_val_loss = float(model.evaluate(data.validation, verbose=0, return_dict=True)["loss"])
+    print(f"[kt-train] --init-from {run.init.model_file}: validation loss {initial_val_loss:.4f} before "
+          "fine-tuning (fresh optimizer and learning-rate schedule)", flush=True)
+    return initial_val_loss
+
+
+def make_callbacks(settings: TrainSettings, run: Run, data: FitData) -> RunCallbacks:
+    """Takes the run's settings, the `Run` and the `FitData`; returns kt-train's callbacks: the validation BLEU,
+    the resumable backup, the checkpoints, TensorBoard's logs, the NaN stop, history.csv, the ETA and the update
+    and time budgets. A `ConfigError` for --max-minutes with more than one worker."""
+    out_dir = run.place.out_dir
+    backup = ResumableBackup(out_dir / "backup", settings.backup_every or "epoch", num_workers=run.place.num_workers)
     # ValidationBLEU first: the callbacks after it (history.csv, TensorBoard) see its val_bleu.
     callbacks = [data.val_bleu] if data.val_bleu is not None else []
     callbacks += [
@@ -565,21 +749,29 @@ def _fit(settings: TrainSettings, run: Run, data: FitData) -> dict:
             callbacks.append(UpdateBoundProgbar(settings.max_updates))
     budget = None
     if settings.max_minutes:
-        if run.num_workers > 1:
+        if run.place.num_workers > 1:
             # Each worker would decide on its own clock; one stopping alone would hang the others.
             raise ConfigError("--max-minutes is not supported with more than one worker; set --epochs instead")
         budget = TimeBudget(settings.max_minutes)
         callbacks.append(budget)
+    return RunCallbacks(callbacks, backup, updates, budget)
+
+
+def fit_model(model, settings: TrainSettings, run: Run, data: FitData, callbacks: RunCallbacks,
+              initial_val_loss: float | None) -> dict:
+    """Takes the model, the run's settings, the `Run`, the `FitData`, the callbacks and the loss before
+    fine-tuning; fits the model and returns the run's summary ("nan_loss" when the loss became NaN or inf)."""
     t0 = time.time()
     with ignoring_ran_out_of_data():
         # shuffle=False: the dataset shuffles itself (Keras would only warn that it ignores shuffle=True).
         history = model.fit(data.train, validation_data=data.validation, epochs=settings.epochs or NO_EPOCH_LIMIT,
                             steps_per_epoch=data.steps_per_epoch,
-                            callbacks=callbacks, verbose=fit_verbosity(settings.verbose), shuffle=False)
+                            callbacks=callbacks.all, verbose=fit_verbosity(settings.verbose), shuffle=False)
     elapsed = time.time() - t0
+    budget, updates = callbacks.budget, callbacks.updates
     summary = {
         "epochs_run": [e + 1 for e in history.epoch],
-        "resumed_from": backup.resumed,
+        "resumed_from": callbacks.backup.resumed,
         "optimizer_steps": int(model.optimizer.iterations.numpy()),
         "final_loss": history.history["loss"][-1] if history.history.get("loss") else None,
         "seconds": round(elapsed, 1),
@@ -592,12 +784,19 @@ def _fit(settings: TrainSettings, run: Run, data: FitData) -> dict:
     losses = history.history.get("loss") or [0.0]
     if not all(l == l and abs(l) != float("inf") for l in losses):  # TerminateOnNaN stopped the run
         summary["nan_loss"] = True
+    return summary
+
+
+def save_run(model, settings: TrainSettings, run: Run, data: FitData, summary: dict) -> None:
+    """Takes the fitted model, the run's settings, the `Run`, the `FitData` and `fit_model`'s summary; writes
+    model.keras and config.json with the summary as "last_run" (the chief) and says the run is done. After a NaN
+    loss it writes nothing and says so."""
+    if summary.get("nan_loss"):
         print("[kt-train] stopped: the loss became NaN/inf; model.keras not written "
               "(epoch checkpoints before it are in checkpoints/)", flush=True)
-        return summary
-    if run.is_chief:
-        model.save(model_dir / MODEL_FILENAME)
-        write_config(settings, model_dir, run.vocab_size, model, run.policy,
-                     extra={**batches_extra, "last_run": summary})
+        return
+    if run.place.is_chief:
+        model.save(run.place.model_dir / MODEL_FILENAME)
+        write_config(settings, run.place.model_dir, run.vocab_size, model, run.policy,
+                     extra={**_config_extra(run, data), "last_run": summary})
     print("[kt-train] done " + json.dumps(summary), flush=True)
-    return summary
