@@ -1,4 +1,5 @@
-"""One translator alone in its own process, timed on request (bench/ctranslate2_side_by_side.py's worker; not a test).
+"""One translator alone in its own process, timed on request (the worker of bench/ctranslate2_side_by_side.py and
+bench/served_load.py; not a test).
 
     python bench/translate_worker.py ours --saved-model EXPORT/translator/1 --inter-op-threads 2 --intra-op-threads 1
     python bench/translate_worker.py ct2 --ct2-model CT2_DIR --tokenizer CT2_DIR/tokenizer.model \\
@@ -20,6 +21,28 @@ where `seconds` is measured in the worker around the batches alone (not the
 pipe, not the JSON). Anything else a library prints on stdout is ignored by
 the caller. An empty line or end of input ends the worker.
 
+A load request (bench/served_load.py) runs clients in a closed loop instead:
+
+    {"load": {"clients": 16, "seconds": 20, "warmup_seconds": 3, "beam": 4, "signature": "serving_default"},
+     "sentences": ["a sentence", ...]}
+
+The worker starts `clients` threads at once; client i walks the sentences from
+offset i * len(sentences) // clients, sends ONE sentence per call (the same
+translate function as a batch request, given a batch of one) and sends the
+next as soon as its answer is back. Calls that end in the first
+`warmup_seconds` are discarded; those that end in the `seconds` after it are
+counted, with their latency (from the call to its answer, so a call begun in
+the warm-up counts its whole wait). No call starts after the window; the
+calls still running then finish and are not counted. The answer:
+
+    REPLY {"clients": 16, "sentences": 812, "seconds": 20.0, "sentences_per_s": 40.6,
+           "latency_ms": {"p50": ..., "p90": ..., "p99": ..., "mean": ..., "max": ...},
+           "per_client": [min, max], "drain_seconds": 0.4}
+
+(`per_client`: the fewest and most calls one client completed in the window;
+`drain_seconds`: how long the calls running at the window's end took to
+finish), or `{"error": "..."}` if a call failed.
+
 ours: the request's text signature of the SavedModel (`greedy`, or
 `serving_default`: the beam search it was exported with), tokenization and
 detokenization in the graph; the session's thread pools as
@@ -30,6 +53,12 @@ ct2: `ctranslate2.Translator(compute_type, inter_threads=WORKERS,
 intra_threads=THREADS).translate_batch` with the request's beam size on sentencepiece pieces, tokenized and
 detokenized (Python sentencepiece, the model's own) inside the timed section.
 With 2 workers each batch is split into two halves that run at once.
+Under load the clients share the one `Translator`, as CTranslate2's documentation
+says to serve concurrent requests: each of its `inter_threads` workers takes
+the next queued `translate_batch` call (here of one sentence).
+Ours under load: the clients call the same loaded signature at once, as TF
+Serving's request threads do; an export with request batching merges the calls
+that arrive while it decodes (export/request_batching.py).
 """
 
 from __future__ import annotations
@@ -38,6 +67,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -146,12 +176,69 @@ def ct2_translator(args):
              "intra_threads": threads, "length_penalty": args.length_penalty})
 
 
+def percentile(ordered, p):
+    """The nearest-rank p-th percentile of an ascending list (None if empty)."""
+    if not ordered:
+        return None
+    return ordered[max(0, min(len(ordered), -(-len(ordered) * p // 100)) - 1)]
+
+
+def run_load(translate, load, sentences) -> dict:
+    """A load request (see the module docstring): `load["clients"]` threads in a closed loop, one sentence per
+    call of `translate(batch, load)`, for `load["warmup_seconds"]` then `load["seconds"]`."""
+    clients, seconds = int(load["clients"]), float(load["seconds"])
+    if clients < 1 or seconds <= 0 or not sentences:
+        return {"error": f"load: need clients >= 1, seconds > 0 and sentences (got {clients}, {seconds}, "
+                         f"{len(sentences)})"}
+    latencies = [[] for _ in range(clients)]
+    failures = []
+    failed = threading.Event()
+    window_start = time.perf_counter() + float(load.get("warmup_seconds", 0))
+    window_end = window_start + seconds
+
+    def client(i):
+        k = i * len(sentences) // clients
+        try:
+            while not failed.is_set():
+                t0 = time.perf_counter()
+                if t0 >= window_end:
+                    return
+                translate([sentences[k % len(sentences)]], load)
+                t1 = time.perf_counter()
+                if window_start < t1 <= window_end:
+                    latencies[i].append(t1 - t0)
+                k += 1
+        except Exception as e:  # noqa: BLE001 (reported to the caller, which stops)
+            failures.append(f"client {i}: {type(e).__name__}: {e}")
+            failed.set()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    drain = max(0.0, time.perf_counter() - window_end)
+    if failures:
+        return {"error": "; ".join(failures[:3])}
+    ordered = sorted(t * 1000 for per_client in latencies for t in per_client)
+    return {"clients": clients, "sentences": len(ordered), "seconds": seconds,
+            "sentences_per_s": round(len(ordered) / seconds, 2),
+            "latency_ms": {**{f"p{p}": None if not ordered else round(percentile(ordered, p), 1)
+                              for p in (50, 90, 99)},
+                           "mean": None if not ordered else round(sum(ordered) / len(ordered), 1),
+                           "max": None if not ordered else round(ordered[-1], 1)},
+            "per_client": [min(map(len, latencies)), max(map(len, latencies))], "drain_seconds": round(drain, 2)}
+
+
 def serve(translate, description):
     reply({"ready": True, **description})
     for line in sys.stdin:
         if not line.strip():
             break
         request = json.loads(line)
+        if "load" in request:
+            reply(run_load(translate, request["load"], request["sentences"]))
+            continue
         t0 = time.perf_counter()
         translations = [translate(batch, request) for batch in request["batches"]]
         reply({"seconds": time.perf_counter() - t0, "translations": translations})

@@ -11,6 +11,10 @@ polling EXPORT_DIR/NAME never loads a half-written version. It holds TF
 Serving's warm-up requests, assets.extra/tf_serving_warmup_requests, which the
 model server replays before it serves the version.
 
+Every decoding signature merges concurrent requests into one batch in the
+graph (export/request_batching.py; --max-request-batch 0 turns it off): the
+model server needs no batching flags for it.
+
 Signatures: serving_default (text -> translation, score, truncated; beam
 search), greedy (same, greedy decoding), n_best, sample, prefix, greedy_prefix,
 score, align, translate_ids (source_ids -> tokens, score), tokenize (text ->
@@ -37,6 +41,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow_serving.apis import prediction_log_pb2  # noqa: E402
 
 from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # noqa: E402
+from export.request_batching import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TIMEOUT_MICROS, RequestBatching  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
 from export.translator import decode_loops, decode_policy  # noqa: E402
 from keras_transformer.renamed import renamed_arguments  # noqa: E402
@@ -79,10 +84,11 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 @renamed_arguments(alpha="length_penalty")
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, length_penalty=0.6,
            use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto",
-           no_repeat_ngram_size=0) -> Path:
+           no_repeat_ngram_size=0, request_batching=RequestBatching()) -> Path:
     """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `length_penalty`: the length penalty's exponent
-    alpha (Wu et al., 2016; kt-export's --length-penalty; `alpha=` is its old name); `parallel_loops`: see `decode_loops`; `no_repeat_ngram_size`: see
-    `Translator`."""
+    alpha (Wu et al., 2016; kt-export's --length-penalty; `alpha=` is its old name); `parallel_loops`: see
+    `decode_loops`; `no_repeat_ngram_size`: see `Translator`; `request_batching`: how the decoding signatures
+    merge concurrent requests (a `RequestBatching`; None: each request decodes on its own)."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
     version = next_version(base) if version is None else int(version)
@@ -91,7 +97,8 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
         raise FileExistsError(f"{target} exists; omit --version to write the next version")
     translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, length_penalty=length_penalty,
                                            use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch,
-                                           parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
+                                           parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size,
+                                           request_batching=request_batching)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
         translator.save(tmp)
@@ -145,6 +152,15 @@ def build_parser():
     p.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
                    help="N > 0: no translation of any signature repeats an N-gram of pieces, against outputs that "
                         "loop (as the library's searches' no_repeat_ngram_size). Default 0: no ban")
+    p.add_argument("--max-request-batch", type=int, default=DEFAULT_MAX_BATCH_SIZE, metavar="N",
+                   help="every decoding signature merges the requests that arrive while it decodes into batches of "
+                        f"up to N sentences, in the graph (docs/serving.md, \"Under load\"); a larger request "
+                        f"decodes whole on its own. 0: no merging, each request decodes on its own. "
+                        f"Default {DEFAULT_MAX_BATCH_SIZE}")
+    p.add_argument("--request-batch-timeout-us", type=int, default=DEFAULT_TIMEOUT_MICROS, metavar="T",
+                   help="how long a batch that is not full waits for more requests, in microseconds (a lone "
+                        f"request waits that long too). Default {DEFAULT_TIMEOUT_MICROS}: it runs as soon as the "
+                        "previous batch is done")
     p.add_argument("--skip-op-check", dest="check_ops", action="store_false",
                    help="do not check that every op is one tensorflow_model_server has")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -158,6 +174,12 @@ def main(argv=None) -> int:
         parser.error(f"--xla-max-batch must be >= 0 (0: no XLA), got {args.xla_max_batch}")
     if args.no_repeat_ngram_size < 0:
         parser.error(f"--no-repeat-ngram-size must be >= 0 (0: no ban), got {args.no_repeat_ngram_size}")
+    if args.max_request_batch < 0:
+        parser.error(f"--max-request-batch must be >= 0 (0: no request batching), got {args.max_request_batch}")
+    if args.request_batch_timeout_us < 0:
+        parser.error(f"--request-batch-timeout-us must be >= 0, got {args.request_batch_timeout_us}")
+    batching = (RequestBatching(max_batch_size=args.max_request_batch, timeout_micros=args.request_batch_timeout_us)
+                if args.max_request_batch else None)
     try:
         loops, loops_reason = decode_loops(args.parallel_loops)
     except ValueError:
@@ -170,12 +192,15 @@ def main(argv=None) -> int:
     policy, reason = decode_policy(args.precision)
     print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)
     print(f"kt-export: {loops} decoding loop{'s' if loops > 1 else ''} per batch: {loops_reason}.", flush=True)
+    print(f"kt-export: request batching: " + (f"{batching.describe()}, in the graph (no model server flag needed)."
+                                              if batching else "off (--max-request-batch 0): each request decodes "
+                                              "on its own."), flush=True)
     try:
         path = export(args.model_dir, args.export_dir, name=args.name, version=args.version,
                       model_file=args.model_file, beam_size=args.beam_size, length_penalty=args.length_penalty,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
                       xla_max_batch=args.xla_max_batch, parallel_loops=loops,
-                      no_repeat_ngram_size=args.no_repeat_ngram_size)
+                      no_repeat_ngram_size=args.no_repeat_ngram_size, request_batching=batching)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2

@@ -102,6 +102,7 @@ import tensorflow as tf
 from common.run_dir import load_model_dir, max_source_length, tokenizer_path
 from common.tokenizer import decode_output, source_from_pieces
 from export.engine_weights import engine_model
+from export.request_batching import RequestBatching, batched, used_width
 from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
@@ -213,6 +214,9 @@ class Translator(tf.Module):
         no_repeat_ngram_size: n > 0: no output of any signature gets an
             n-gram (n consecutive pieces) twice, as the library's searches'
             `no_repeat_ngram_size`; 0 (default): no ban.
+        request_batching: a `RequestBatching`: every decoding signature merges
+            concurrent calls into one batch (export/request_batching.py;
+            kt-export's default); None: each call decodes on its own.
 
     Functions (each a `tf.function`; `signatures()` names them):
         translate(text `[batch]`) -> {"translation": `[batch]` string, "score": `[batch]`} (beam search)
@@ -236,7 +240,7 @@ class Translator(tf.Module):
     @renamed_arguments(alpha="length_penalty")
     def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, length_penalty=0.6, use_cache=True,
                  tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
-                 name="translator"):
+                 request_batching=None, name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -270,24 +274,50 @@ class Translator(tf.Module):
         self._beam = tf.function(lambda source: self._search(source),
                                  input_signature=[tf.TensorSpec([None, None], tf.int32)])
 
+        # Every decoding signature's work, `fn(*inputs) -> outputs` row by row, merged with concurrent calls
+        # when `request_batching` is set (export/request_batching.py). Checks that fail a request (a
+        # temperature <= 0) and trims to the request's own rows stay outside, in the signature itself.
+        self.request_batching = request_batching
+        self._batched_functions = []
+
+        def merged(fn, spec, signature, batching=request_batching):
+            call = batched(fn, spec, batching, signature)
+            if batching is not None:
+                self._batched_functions.append(call.concrete_function)
+            return call
+
         text_spec = [tf.TensorSpec([None], tf.string, name="text")]
-        self.translate = tf.function(self._translate_beam, input_signature=text_spec)
-        self.translate_greedy = tf.function(self._translate_greedy, input_signature=text_spec)
-        self.translate_n_best = tf.function(self._translate_n_best, input_signature=text_spec)
-        self.translate_sampled = tf.function(self._translate_sampled, input_signature=text_spec + [
-            tf.TensorSpec([None], tf.int64, name="seed"), tf.TensorSpec([None], tf.float32, name="temperature"),
-            tf.TensorSpec([None], tf.int32, name="top_k")])
+        sample_spec = text_spec + [tf.TensorSpec([None], tf.int64, name="seed"),
+                                   tf.TensorSpec([None], tf.float32, name="temperature"),
+                                   tf.TensorSpec([None], tf.int32, name="top_k")]
         prefix_spec = text_spec + [tf.TensorSpec([None], tf.string, name="prefix")]
-        self.translate_prefixed = tf.function(self._translate_prefixed, input_signature=prefix_spec)
-        self.translate_greedy_prefixed = tf.function(self._translate_greedy_prefixed, input_signature=prefix_spec)
-        self.score = tf.function(self._score, input_signature=text_spec + [
-            tf.TensorSpec([None], tf.string, name="target")])
+        score_spec = text_spec + [tf.TensorSpec([None], tf.string, name="target")]
+        # translate_ids merges sources padded to the source limit (the batch concatenates fixed widths); with no
+        # limit it cannot, and decodes each call on its own.
+        ids_batching = request_batching if self.max_source_length is not None else None
+        self._merged_sampled = merged(self._translate_sampled_rows, sample_spec, SAMPLE_SIGNATURE)
+        self._merged_aligned = merged(self._translate_aligned_rows, text_spec, ALIGN_SIGNATURE)
+        self._merged_ids = merged(self._translate_source_rows, [tf.TensorSpec([None, self.max_source_length],
+                                                                              tf.int32)], IDS_SIGNATURE, ids_batching)
+        self.translate = tf.function(merged(self._translate_beam, text_spec, TEXT_SIGNATURE),
+                                     input_signature=text_spec)
+        self.translate_greedy = tf.function(merged(self._translate_greedy, text_spec, GREEDY_SIGNATURE),
+                                            input_signature=text_spec)
+        self.translate_n_best = tf.function(merged(self._translate_n_best, text_spec, N_BEST_SIGNATURE),
+                                            input_signature=text_spec)
+        self.translate_sampled = tf.function(self._translate_sampled, input_signature=sample_spec)
+        self.translate_prefixed = tf.function(merged(self._translate_prefixed, prefix_spec, PREFIX_SIGNATURE),
+                                              input_signature=prefix_spec)
+        self.translate_greedy_prefixed = tf.function(
+            merged(self._translate_greedy_prefixed, prefix_spec, GREEDY_PREFIX_SIGNATURE), input_signature=prefix_spec)
+        self.score = tf.function(merged(self._score, score_spec, SCORE_SIGNATURE), input_signature=score_spec)
         self.translate_aligned = tf.function(self._translate_aligned, input_signature=text_spec)
         self.translate_ids = tf.function(
             self._translate_ids, input_signature=[tf.TensorSpec([None, None], tf.int32, name="source_ids")])
+        # No batching: tokenizing decodes nothing, and costs little alone.
         self.tokenize = tf.function(self._tokenize, input_signature=text_spec)
         captured = {}
-        for fn in self.signatures().values():
+        for fn in [*self.signatures().values(), *self._batched_functions]:
             for v in fn.variables:
                 captured.setdefault(id(v), v)
         self.model_variables = list(captured.values())
@@ -295,12 +325,14 @@ class Translator(tf.Module):
     @classmethod
     @renamed_arguments(alpha="length_penalty")
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, length_penalty=0.6, use_cache=True,
-                       precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0):
+                       precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0,
+                       request_batching=None):
         """A `Translator` for a directory written by kt-train, with its config's `max_source_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
         projection stored `[d_model, vocab]`, as the matmul reads it fastest, in one column block per
         decoding loop); with `xla_max_batch`, small
-        batches under XLA in float32; `parallel_loops`: a number, or "auto" (see `decode_loops`)."""
+        batches under XLA in float32; `parallel_loops`: a number, or "auto" (see `decode_loops`);
+        `request_batching`: a `RequestBatching`, or None (each call decodes on its own)."""
         loaded, tokenizer, config = load_model_dir(model_dir, model_file, weights)
         parallel_loops, _ = decode_loops(parallel_loops)  # "auto" becomes the number the loops and blocks share
         # One column block of the output projection per decoding loop, for the threads a lone loop leaves idle.
@@ -310,7 +342,8 @@ class Translator(tf.Module):
         return cls(model, tokenizer, max_source_length=max_source_length(config), beam_size=beam_size, length_penalty=length_penalty,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
-                   parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size)
+                   parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size,
+                   request_batching=request_batching)
 
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
@@ -396,8 +429,14 @@ class Translator(tf.Module):
                 "truncated": tokenized["truncated"]}
 
     def _translate_sampled(self, text, seed, temperature, top_k):
-        tf.debugging.assert_greater(temperature, 0.0, message="sample: every temperature must be > 0 "
-                                    "(top_k 1 is greedy decoding)")
+        # Checked before the request joins a batch, so a bad temperature fails its own request only.
+        check = tf.debugging.assert_greater(temperature, 0.0, message="sample: every temperature must be > 0 "
+                                            "(top_k 1 is greedy decoding)")
+        with tf.control_dependencies([check]):
+            temperature = tf.identity(temperature)
+        return self._merged_sampled(text, seed, temperature, top_k)
+
+    def _translate_sampled_rows(self, text, seed, temperature, top_k):
         # A seed is any int64; the hash reads its low 32 bits.
         sampling = Sampling(tf.cast(seed, tf.int32), temperature, top_k)
         return self._translate_text(text, lambda source: self._search(source, greedy=True, sampling=sampling))
@@ -415,6 +454,15 @@ class Translator(tf.Module):
         return self._translate_prefixed(text, prefix, greedy=True)
 
     def _translate_aligned(self, text):
+        outputs = dict(self._merged_aligned(text))
+        # The request's own width: a merged batch pads every row to its longest (alone: the same width).
+        targets = used_width(outputs["target_pieces"], "")
+        outputs["alignment"] = outputs["alignment"][:, :targets]
+        outputs["target_pieces"] = outputs["target_pieces"][:, :targets]
+        outputs["source_pieces"] = outputs["source_pieces"][:, :used_width(outputs["source_pieces"], "")]
+        return outputs
+
+    def _translate_aligned_rows(self, text):
         def alignment(source, tokens, empty):
             aligned = align_targets(self._model(), source, tokens, START_ID, END_ID)
             return {"alignment": tf.where(empty[:, None], -1, aligned),
@@ -445,12 +493,21 @@ class Translator(tf.Module):
                                     self._xla_greedy if self.xla_max_batch else None)
 
     def _translate_ids(self, source_ids):
-        # The same source the text signatures decode: pieces truncated to the limit, then one end id.
+        # The same source the text signatures decode: pieces truncated to the limit, then one end id, padded to
+        # the limit's width (a merged batch concatenates its calls' sources).
         pieces = tf.ragged.boolean_mask(source_ids, (source_ids != PAD_ID) & (source_ids != END_ID))
-        source = source_from_pieces(pieces, self.max_source_length).to_tensor(PAD_ID)
-        tokens, scores = self._beam(source)  # int32, as source_ids
-        return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1]),
+        source = source_from_pieces(pieces, self.max_source_length).to_tensor(
+            PAD_ID, shape=[None, self.max_source_length])
+        outputs = self._merged_ids(source)
+        tokens = outputs["tokens"]
+        return {"tokens": tokens[:, :used_width(tokens, PAD_ID)], "score": outputs["score"],
                 "truncated": self._truncated(pieces)}
+
+    def _translate_source_rows(self, source):
+        """Source ids `[batch, width]` (pieces + end id, 0-padded) -> beam search's {"tokens", "score"}, the
+        source first cut to its longest row."""
+        tokens, scores = self._beam(source[:, :used_width(source, PAD_ID)])
+        return {"tokens": tf.ensure_shape(tf.cast(tokens, tf.int32), [None, None]), "score": tf.reshape(scores, [-1])}
 
     # -- saving -------------------------------------------------------------
 

@@ -18,7 +18,8 @@
 //                  e.g. Python's float.hex(), exact). A request without the "inputs" line feeds text only.
 // --warmup         first replays the export's warm-up records (labels "warmup:I").
 // --threads N      then runs FILE's requests again from N threads at once (thread T sends requests
-//                  T, T + N, ...) and compares every answer with the sequential one.
+//                  T, T + N, ...), prints every answer again (labels "concurrent:LABEL") and compares it
+//                  with the sequential one.
 //
 // Output on stdout, one JSON object per line:
 //   {"label": L, "signature": S, "score": [...], "score_shape": [...], "translation": [...], ...}
@@ -26,7 +27,12 @@
 //     floats as their 32 bits in hex (exact), ints and bools as they are;
 //   {"label": L, "signature": S, "error": "..."} when Session::Run fails, or an input is not the
 //     signature's or its values do not parse as its dtype (the request fails, not the program);
-//   {"concurrent": {"threads": N, "requests": R, "mismatches": [L...], "errors": [L...], "seconds": T}}.
+//   {"concurrent": {"threads": N, "requests": R, "mismatches": [L...], "errors": [L...], "seconds": T,
+//                   "batches": {"SIZE": COUNT, ...}}}: "mismatches" differ from the sequential answer in
+//     any byte (a float's last bit included); "batches" counts the batches that BatchFunction ops ran during
+//     the concurrent runs, by size (TensorFlow's own metric, /tensorflow/serving/batching/
+//     processed_batch_size_v2, what TF Serving exports to Prometheus): an export that merges concurrent
+//     requests runs fewer batches than requests.
 // Exit status 0 unless the export or the op libraries cannot be loaded.
 
 #include <algorithm>
@@ -39,6 +45,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -50,6 +57,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor.pb.h"
 #include "tensorflow/core/lib/io/record_reader.h"
+#include "tensorflow/core/lib/monitoring/collection_registry.h"
 #include "tensorflow/core/platform/env.h"
 
 using tensorflow::Status;
@@ -404,11 +412,26 @@ std::string JsonLabels(const std::vector<std::string>& labels) {
   return out + "]";
 }
 
+// {batch size: batches run} over every BatchFunction op of this process so far, from TensorFlow's
+// metric of processed batch sizes (a Counter labelled model_name, op_name, batch_size).
+std::map<std::string, int64_t> ProcessedBatches() {
+  using tensorflow::monitoring::CollectionRegistry;
+  std::map<std::string, int64_t> batches;
+  auto collected = CollectionRegistry::Default()->CollectMetrics(CollectionRegistry::CollectMetricsOptions());
+  auto it = collected->point_set_map.find("/tensorflow/serving/batching/processed_batch_size_v2");
+  if (it == collected->point_set_map.end()) return batches;
+  for (const auto& point : it->second->points)
+    for (const auto& label : point->labels)
+      if (label.name == "batch_size") batches[label.value] += point->int64_value;
+  return batches;
+}
+
 // TF Serving's request threads share one session; Session::Run is thread-safe. Each answer must
 // equal the one the same request got alone (no state leaks between concurrent runs).
 void RunConcurrently(const tensorflow::SavedModelBundle& bundle, const std::vector<Request>& requests,
                      const std::vector<std::string>& sequential, int threads) {
   std::vector<std::string> concurrent(requests.size());
+  std::map<std::string, int64_t> before = ProcessedBatches();
   auto start = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
@@ -417,14 +440,22 @@ void RunConcurrently(const tensorflow::SavedModelBundle& bundle, const std::vect
     });
   for (auto& thread : pool) thread.join();
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::string batches;
+  for (const auto& [size, count] : ProcessedBatches()) {
+    int64_t ran = count - (before.count(size) ? before[size] : 0);
+    if (ran > 0) batches += (batches.empty() ? "" : ", ") + JsonString(size) + ": " + std::to_string(ran);
+  }
   std::vector<std::string> mismatches, errors;
   for (size_t i = 0; i < requests.size(); ++i) {
+    Request labelled = requests[i];
+    labelled.label = "concurrent:" + requests[i].label;
+    Print(labelled, concurrent[i]);
     if (IsError(concurrent[i])) errors.push_back(requests[i].label + ": " + concurrent[i]);
     else if (concurrent[i] != sequential[i]) mismatches.push_back(requests[i].label);
   }
   std::cout << "{\"concurrent\": {\"threads\": " << threads << ", \"requests\": " << requests.size()
             << ", \"mismatches\": " << JsonLabels(mismatches) << ", \"errors\": " << JsonLabels(errors)
-            << ", \"seconds\": " << seconds << "}}\n";
+            << ", \"seconds\": " << seconds << ", \"batches\": {" << batches << "}}}\n";
 }
 
 }  // namespace
