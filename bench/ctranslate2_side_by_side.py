@@ -433,6 +433,24 @@ def time_workers(workers, texts, batch_size, decoding, repeats):
     return seconds, outputs, warm_up
 
 
+def run_summary(workers, ours, ct2_model, length_penalty, ct2_length_penalty, load_at_start, **results) -> dict:
+    """The JSON summary's fields common to `compare` and bench/served_load.py (when, where, what ran, with
+    which length penalties, the load around it), then `results`."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_line(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "systems": {w.name: w.description for w in workers},
+        "saved_models": {name: str(path) for name, path, _ in ours},
+        "ct2_model": str(ct2_model),
+        "length_penalty": length_penalty,
+        "ct2_length_penalty": round(ct2_length_penalty, 4),
+        **results,
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
+    }
+
+
 def run_compare(args) -> int:
     import sacrebleu
 
@@ -534,21 +552,8 @@ def run_compare(args) -> int:
         print(f"Greedy identity goal (>= {GREEDY_IDENTITY_GOAL:.0%}, float32): {'met' if greedy_ok else 'NOT met'}")
 
     if args.json:
-        summary = {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": cpu_line(),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "systems": {w.name: w.description for w in workers},
-            "saved_models": {name: str(path) for name, path, _ in ours},
-            "ct2_model": str(args.ct2_model),
-            "alpha": args.length_penalty,
-            "ct2_length_penalty": round(length_penalty, 4),
-            "source_ids_identical": same_sources,
-            "quality": quality,
-            "results": results,
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
-        }
+        summary = run_summary(workers, ours, args.ct2_model, args.length_penalty, length_penalty, load_at_start,
+                              source_ids_identical=same_sources, quality=quality, results=results)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if greedy_ok else 1

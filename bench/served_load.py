@@ -75,7 +75,6 @@ threads beside a busy process.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -89,7 +88,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sentencepiece as spm  # noqa: E402
 
 from bench.ctranslate2_side_by_side import (SETTLE_S, SIDECAR_FILENAME, Worker, decoding_name,  # noqa: E402
-                                            matched_length_penalty, parse_ours, time_workers)
+                                            matched_length_penalty, parse_ours, run_summary,
+                                            time_workers)
 from bench.served_speed import cpu_line  # noqa: E402
 from bench.translate_worker import parse_ct2_setting  # noqa: E402
 from common.run_dir import DEFAULT_LENGTH_PENALTY, TOKENIZER_FILENAME  # noqa: E402
@@ -280,25 +280,10 @@ def run(args) -> int:
           "WORKERSxTHREADS in that row)")
 
     if args.json:
-        summary = {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": cpu_line(),
-            "command": " ".join([sys.executable, *sys.argv]),
-            "systems": {w.name: w.description for w in workers},
-            "saved_models": {name: str(path) for name, path, _ in ours},
-            "ct2_model": str(ct2_dir),
-            "split": args.split,
-            "sentences": len(sources),
-            "seconds": args.seconds,
-            "warmup_seconds": args.warmup_seconds,
-            "rounds": args.rounds,
-            "length_penalty": args.length_penalty,
-            "ct2_length_penalty": round(length_penalty, 4),
-            "rows": rows,
-            "measurements": measurements,
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
-        }
+        summary = run_summary(workers, ours, ct2_dir, args.length_penalty, length_penalty, load_at_start,
+                              split=args.split, sentences=len(sources), seconds=args.seconds,
+                              warmup_seconds=args.warmup_seconds, rounds=args.rounds, rows=rows,
+                              measurements=measurements)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
