@@ -97,9 +97,12 @@ endif
 # gzip), VALID="dev.en dev.de", TEST="test.en test.de", with RUN: `kt-prepare` prepares TRAIN into
 # $(RUN)/prepared (the vocabulary's settings from CONFIG), then kt-train trains on it, and the test set scored is
 # TEST. PREPARED=DIR trains on a corpus kt-prepare made before.
-SRC ?= en
-TGT ?= de
 CONFIG ?= configs/multi30k.json
+# The languages: the config's "source_lang" and "target_lang" where it sets them (configs/wmt14-en-fr-big.json:
+# en, fr), else en and de.
+config_value = $(shell sed -n 's/^ *"$(1)": *"\([^"]*\)".*/\1/p' $(CONFIG) 2>/dev/null)
+SRC ?= $(or $(call config_value,source_lang),en)
+TGT ?= $(or $(call config_value,target_lang),de)
 TRAIN ?=
 VALID ?=
 TEST ?=

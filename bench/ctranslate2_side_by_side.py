@@ -204,6 +204,11 @@ def set_embeddings(embeddings_spec, positions_spec, embedding, num_positions):
 
 def transformer_spec_of(model, pieces, num_positions):
     """A float32-ready `TransformerSpec` holding the Keras Transformer's weights."""
+    if model.key_dim not in (None, model.d_model // model.num_heads):
+        # CTranslate2's attention has one size per head, d_model / num_heads, for queries, keys and values.
+        raise ValueError(f"A model with key_dim={model.key_dim} (d_k apart from d_model // num_heads = "
+                         f"{model.d_model // model.num_heads}) is not converted: CTranslate2's heads are d_model / "
+                         "num_heads wide for queries, keys and values alike.")
     from ctranslate2.specs import transformer_spec
 
     if model.learned_positions:

@@ -333,8 +333,8 @@ def _while_loop(cond, body, loop):
 
     `cond` and `body` take the loop state; the batch is the first axis of
     every field but the search's scalar `index`, and static sizes elsewhere
-    are kept, except the cache's length axis (`[batch, num_heads, length,
-    key_dim]`), which grows outside XLA.
+    are kept, except the cache's length axis (keys `[batch, num_heads,
+    length, key_dim]`, values `[..., value_dim]`), which grows outside XLA.
     """
 
     def free_batch(x):

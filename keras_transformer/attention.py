@@ -25,6 +25,9 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) and
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V  (paper equation 1).
     In the paper d_k = d_v = d_model / h, so pass `key_dim=d_model // num_heads`.
+    `key_dim` is d_k, the size per head of the queries and keys; `value_dim`
+    (Keras' argument; `key_dim` when not given) is d_v, the size per head of
+    the values and of each head's output (table 3's rows B change d_k alone).
 
     Without `cache` the layer computes exactly what
     `keras.layers.MultiHeadAttention` computes: same arguments, same weights,
@@ -38,8 +41,9 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
     quantized kernels) run Keras' own code. Written in `keras.ops`: it runs on
     the JAX, PyTorch and TensorFlow backends.
 
-    The cache is a pair `(keys, values)` of projected heads, each
-    `[batch, num_heads, length, key_dim]`. Three modes, chosen by the arguments
+    The cache is a pair `(keys, values)` of projected heads: keys
+    `[batch, num_heads, length, key_dim]`, values
+    `[batch, num_heads, length, value_dim]`. Three modes, chosen by the arguments
     alone (as keras-hub's `CachedMultiHeadAttention`):
 
     - `cache=None`: no cache, the full pass.
@@ -99,15 +103,16 @@ class MultiHeadAttention(MultiHeadAttentionWithHook):
         return attention_is_plain(self)
 
     def empty_cache(self, batch_size, cache_length):
-        """`(keys, values)` zeros, each `[batch_size, num_heads, cache_length, key_dim]`, for self-attention
-        (`cache_length` 0 for a cache that grows, `AttentionOps(growing_cache=True)`)."""
-        shape = (batch_size, self.num_heads, cache_length, self.key_dim)
-        return ops.zeros(shape, dtype=self.compute_dtype), ops.zeros(shape, dtype=self.compute_dtype)
+        """`(keys, values)` zeros, keys `[batch_size, num_heads, cache_length, key_dim]` and values
+        `[batch_size, num_heads, cache_length, value_dim]`, for self-attention (`cache_length` 0 for a cache
+        that grows, `AttentionOps(growing_cache=True)`)."""
+        return tuple(ops.zeros((batch_size, self.num_heads, cache_length, size), dtype=self.compute_dtype)
+                     for size in (self.key_dim, self.value_dim))
 
     def compute_cache(self, value, key=None):
         """Projects `key`/`value` `[batch, length, dim]` once, for cross-attention.
 
-        Returns `(keys, values)`, each `[batch, num_heads, length, key_dim]`.
+        Returns `(keys, values)`: `[batch, num_heads, length, key_dim]` and `[batch, num_heads, length, value_dim]`.
         """
         return tuple(_heads_first(h) for h in self._project_keys_values(value, value if key is None else key))
 
@@ -225,8 +230,9 @@ class AttentionOps:
       `denses`, one `[batch, length, num_heads, head_dim]` each. Default: one
       matmul with the three kernels side by side (`linear.project_heads`).
     - `write(heads, index, update)`: the cache `heads`
-      `[batch, num_heads, length, key_dim]` with `update`
-      `[batch, num_heads, n, key_dim]` at positions `index ... index + n - 1`.
+      `[batch, num_heads, length, dim]` (keys: key_dim, values: value_dim)
+      with `update` `[batch, num_heads, n, dim]` at positions
+      `index ... index + n - 1`.
     - `attend(query, key, value, mask)`: softmax(query key^T) value on
       heads-first tensors, the query already scaled by 1 / sqrt(d_k); `mask`
       None or bool, broadcastable to the weights `[..., query_len, key_len]`.

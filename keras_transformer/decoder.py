@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
+from keras_transformer.attention import attention_spec
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
 from keras_transformer.masking import causal_mask, first_mask
@@ -57,7 +57,8 @@ class DecoderLayer(TransformerLayerBase):
 
     Args:
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout: as in `EncoderLayer`.
+            activation_dropout, key_dim: as in `EncoderLayer` (`key_dim` sizes
+            the queries and keys of both attentions).
         use_cross_attention: attend to an encoder output (the paper's
             decoder). False for a decoder-only model: the layer is then
             called without `encoder_output`. Fixed at construction (and saved
@@ -83,8 +84,9 @@ class DecoderLayer(TransformerLayerBase):
     (query by key; 0 above the diagonal and on padding keys; no
     `"cross_attention"` key without cross-attention).
 
-    Incremental decoding: also pass `self_attention_cache` (keys and values,
-    each `[batch, num_heads, cache_length, d_model // num_heads]`, from
+    Incremental decoding: also pass `self_attention_cache` (keys
+    `[batch, num_heads, cache_length, key_dim]` and values
+    `[batch, num_heads, cache_length, d_model // num_heads]`, from
     `self_attention.empty_cache`), `cache_index` (the position of `x[:, 0]`)
     and, with cross-attention, `cross_attention_cache` (from
     `cross_attention.compute_cache(encoder_output)`; `encoder_output` may
@@ -110,17 +112,12 @@ class DecoderLayer(TransformerLayerBase):
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, use_cross_attention=True, **kwargs):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.use_cross_attention = use_cross_attention
-        key_dim = head_size(d_model, num_heads)
-        self.self_attention = MultiHeadAttention(
-            num_heads, key_dim, dropout=self.attention_dropout, dtype=self.dtype_policy, name="self_attention"
-        )
+        self.self_attention = self._attention("self_attention")
         self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         # Same attributes as before the option: a .keras file stores the weights under these names.
         self.cross_attention = self.cross_attention_norm = None
         if use_cross_attention:
-            self.cross_attention = MultiHeadAttention(
-                num_heads, key_dim, dropout=self.attention_dropout, dtype=self.dtype_policy, name="cross_attention"
-            )
+            self.cross_attention = self._attention("cross_attention")
             self.cross_attention_norm = layer_norm(self.dtype_policy, "cross_attention_norm")
         self.feed_forward = FeedForward(
             d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
@@ -236,7 +233,7 @@ class Decoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, use_cross_attention,
-            attention_dropout, activation_dropout: as in `DecoderLayer`.
+            attention_dropout, activation_dropout, key_dim: as in `DecoderLayer`.
 
     Shapes:
         call(x `[batch, target_len, d_model]`, encoder_output
@@ -245,8 +242,8 @@ class Decoder(TransformerStackBase):
         decoder_padding_mask `[batch, target_len]`)
         -> `[batch, target_len, d_model]`.
 
-    Incremental decoding: one `(keys, values)` pair per layer, each tensor
-    `[batch, num_heads, length, d_k]`: `empty_cache(batch, cache_length)` (a
+    Incremental decoding: one `(keys, values)` pair per layer, keys
+    `[batch, num_heads, length, d_k]` and values `[batch, num_heads, length, d_v]`: `empty_cache(batch, cache_length)` (a
     buffer of `cache_length` positions) for self-attention and, with cross-attention,
     `compute_cross_attention_cache(encoder_output)` (length source_len).
     Passing `self_attention_cache`, `cache_index` (and `cross_attention_cache`,

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_transformer.attention import MultiHeadAttention, attention_spec, head_size
+from keras_transformer.attention import attention_spec
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
 from keras_transformer.masking import first_mask
@@ -23,6 +23,13 @@ class EncoderLayer(TransformerLayerBase):
             (keyword only; not in the paper, 0 by default).
         activation_dropout: dropout on the feed-forward's inner activations
             in training (keyword only; not in the paper, 0 by default).
+        key_dim: d_k, the attention's query and key size per head (keyword
+            only). None (default): d_model // num_heads, the paper's. The
+            value size per head, d_v, stays d_model // num_heads (paper
+            table 3, rows B: d_k apart from d_v). W^Q and W^K are then
+            `[d_model, num_heads, key_dim]`, W^V `[d_model, num_heads,
+            d_model // num_heads]`, and the scores are scaled by
+            1 / sqrt(key_dim).
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`
@@ -48,10 +55,7 @@ class EncoderLayer(TransformerLayerBase):
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
-        self.self_attention = MultiHeadAttention(
-            num_heads, head_size(d_model, num_heads), dropout=self.attention_dropout, dtype=self.dtype_policy,
-            name="self_attention"
-        )
+        self.self_attention = self._attention("self_attention")
         self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         self.feed_forward = FeedForward(
             d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
@@ -99,7 +103,7 @@ class Encoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout: as in `EncoderLayer`.
+            activation_dropout, key_dim: as in `EncoderLayer`.
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`)

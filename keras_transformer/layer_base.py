@@ -2,23 +2,29 @@
 
 import keras
 
+from keras_transformer.attention import MultiHeadAttention, head_size
 from keras_transformer.residual import layer_norm
 
 
 class TransformerLayerBase(keras.layers.Layer):
-    """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout and activation_dropout
-    (see `EncoderLayer` for their meaning).
+    """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout, activation_dropout and
+    key_dim (see `EncoderLayer` for their meaning).
 
     Output shape = the shape of the first input (every sub-layer keeps `[batch, length, d_model]`).
     """
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, *, attention_dropout=0.0,
-                 activation_dropout=0.0, **kwargs):
+                 activation_dropout=0.0, key_dim=None, **kwargs):
         super().__init__(**kwargs)
         for name, rate in (("dropout", dropout), ("attention_dropout", attention_dropout),
                            ("activation_dropout", activation_dropout)):
             if not 0.0 <= rate < 1.0:
                 raise ValueError(f"{type(self).__name__}: {name} must be in [0, 1), got {rate!r}.")
+        self.value_dim = head_size(d_model, num_heads)
+        if key_dim is not None and (isinstance(key_dim, bool) or not isinstance(key_dim, int) or key_dim < 1):
+            raise ValueError(f"{type(self).__name__}: key_dim must be a positive int (the attention's query and "
+                             f"key size per head, d_k) or None (d_model // num_heads), got {key_dim!r}.")
+        self.key_dim = key_dim
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_ff = d_ff
@@ -27,6 +33,14 @@ class TransformerLayerBase(keras.layers.Layer):
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
         self.supports_masking = True
+
+    def _attention(self, name):
+        """A `MultiHeadAttention` of this layer's heads: query/key size per head `key_dim` (d_k; None:
+        d_model // num_heads), value size per head d_model // num_heads (d_v), output d_model."""
+        return MultiHeadAttention(
+            self.num_heads, self.key_dim or self.value_dim, value_dim=self.value_dim, dropout=self.attention_dropout,
+            dtype=self.dtype_policy, name=name,
+        )
 
     def compute_output_shape(self, x_shape, *args, **kwargs):
         return x_shape
@@ -41,6 +55,7 @@ class TransformerLayerBase(keras.layers.Layer):
             "norm_first": self.norm_first,
             "attention_dropout": self.attention_dropout,
             "activation_dropout": self.activation_dropout,
+            "key_dim": self.key_dim,
         }
 
 
@@ -56,7 +71,7 @@ class TransformerStackBase(TransformerLayerBase):
         return [
             layer_class(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
                         attention_dropout=self.attention_dropout, activation_dropout=self.activation_dropout,
-                        dtype=self.dtype_policy, name=f"layer_{i}", **kwargs)
+                        key_dim=self.key_dim, dtype=self.dtype_policy, name=f"layer_{i}", **kwargs)
             for i in range(self.num_layers)
         ]
 

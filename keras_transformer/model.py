@@ -66,6 +66,9 @@ class Transformer(keras.Model):
             (not in the paper; 0 by default).
         activation_dropout: dropout on the feed-forward's inner activations
             in training (not in the paper; 0 by default).
+        key_dim: d_k, every attention's query and key size per head. None
+            (default): d_model // num_heads, the paper's. The value size per
+            head d_v stays d_model // num_heads (paper table 3, rows B).
 
     Shapes:
         call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
@@ -103,6 +106,7 @@ class Transformer(keras.Model):
         max_positions=None,
         attention_dropout=0.0,
         activation_dropout=0.0,
+        key_dim=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -130,6 +134,7 @@ class Transformer(keras.Model):
         self.max_positions = max_positions
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
+        self.key_dim = key_dim
 
         def embedding(size, name):
             return PositionalEmbedding(
@@ -144,7 +149,8 @@ class Transformer(keras.Model):
             self.target_embedding = embedding(target_vocab_size, "target_embedding")
         layer_args = dict(
             d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first,
-            attention_dropout=attention_dropout, activation_dropout=activation_dropout, dtype=self.dtype_policy,
+            attention_dropout=attention_dropout, activation_dropout=activation_dropout, key_dim=key_dim,
+            dtype=self.dtype_policy,
         )
         self.encoder = Encoder(num_encoder_layers, name="encoder", **layer_args)
         self.decoder = Decoder(num_decoder_layers, name="decoder", **layer_args)
@@ -342,8 +348,9 @@ class Transformer(keras.Model):
         sentence, which its g rows read together (no copy of the source per hypothesis).
 
         Returns `{"self_attention": [...], "cross_attention": [...]}`, one
-        `(keys, values)` pair per decoder layer, each tensor
-        `[rows, num_heads, length, d_model // num_heads]`: rows first
+        `(keys, values)` pair per decoder layer: keys
+        `[rows, num_heads, length, key_dim]` (key_dim None: d_model // num_heads)
+        and values `[rows, num_heads, length, d_model // num_heads]`: rows first
         everywhere, so beam search reorders the self-attention tensors on axis 0.
         """
         self._build_once()
@@ -407,6 +414,7 @@ class Transformer(keras.Model):
             "max_positions": self.max_positions,
             "attention_dropout": self.attention_dropout,
             "activation_dropout": self.activation_dropout,
+            "key_dim": self.key_dim,
         }
 
     @classmethod

@@ -69,3 +69,23 @@ def test_bench_script_help(script, help_runs):
     status, output = help_runs[script]
     assert status == 0, f"bench/{script.name} --help: exit {status}\n{output[-4000:]}"
     assert USAGE.search(output), f"bench/{script.name} --help printed no usage line:\n{output[-2000:]}"
+
+
+def test_the_ctranslate2_converter_refuses_a_key_size_apart_from_the_value_size():
+    """CTranslate2's heads are d_model / num_heads wide for queries, keys and values alike: a model with another
+    `key_dim` is refused by name before any conversion (ctranslate2 need not be installed), the paper's passes."""
+    import keras_transformer as kt
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # bench/ is no installed package
+    from bench.ctranslate2_side_by_side import transformer_spec_of
+
+    model = kt.Transformer.from_preset("tiny", vocab_size=20, key_dim=3)
+    with pytest.raises(ValueError, match=r"key_dim=3 \(d_k apart from d_model // num_heads = 8\) is not converted"):
+        transformer_spec_of(model, ["<pad>"] * 20, 16)
+    paper = kt.Transformer.from_preset("tiny", vocab_size=20, key_dim=8)  # d_model // num_heads, given
+    paper.build()
+    try:
+        transformer_spec_of(paper, [f"piece{i}" for i in range(20)], 16)
+    except ImportError:  # past the check: the converter's own import (ctranslate2 is not in the project's venv)
+        pass

@@ -86,6 +86,27 @@ def test_the_engine_decodes_what_the_library_decodes_on_the_copy_task(copy_model
     assert ((tokens == END).sum(axis=1) == 1).all()  # every output ended: the comparison is not of limits
 
 
+def test_the_engine_serves_a_key_size_apart_from_the_value_size():
+    """A model whose queries and keys are 3 wide a head and values 8 (`key_dim=3`, the paper's table 3, rows B):
+    the engine's copy (`engine_model`, as `Translator` makes it: untied, in column blocks) keeps the key size and
+    every weight, and its greedy and beam searches decode what the library decodes on the model itself."""
+    model = random_model(4, key_dim=3)
+    copy = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
+    assert copy is not model and copy.key_dim == 3
+    key, value = copy.decoder.decoder_layers[0].self_attention.projections[1:3]
+    assert (key.kernel.shape, value.kernel.shape) == ((32, 4, 3), (32, 4, 8))
+    source = random_ids(np.random.default_rng(4), 6, 7, high=24)
+    source[2, 4:] = 0
+    for library, engine in ((lambda s: kt.greedy_decode(model, s, START, END, max_output_length=9),
+                             lambda s: engine_greedy_decode(copy, s, START, END, max_output_length=9)),
+                            (lambda s: kt.beam_search(model, s, START, END, max_output_length=9),
+                             lambda s: engine_beam_search(copy, s, START, END, max_output_length=9))):
+        library_tokens, library_scores = tf.function(library)(source)
+        engine_tokens, engine_scores = tf.function(engine)(source)
+        np.testing.assert_array_equal(trimmed(engine_tokens), trimmed(library_tokens))
+        np.testing.assert_allclose(np.asarray(engine_scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("n_best", [1, 3, 4])
 def test_the_engines_n_best_list_is_the_librarys(copy_model, n_best):
     """n-best lists: the same hypotheses in the same order, with the same scores, in one loop and in two."""
@@ -189,9 +210,10 @@ def _step_by_step_logits(model, source, target):
     return np.stack(steps, axis=1)
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(norm_first=True, tie_output_embedding=False)])
+@pytest.mark.parametrize("kwargs", [{}, dict(norm_first=True, tie_output_embedding=False), dict(key_dim=3)])
 def test_the_step_equals_the_full_pass(kwargs):
-    """Post-norm with a tied projection, pre-norm (a final norm) with an untied one; the uncached reference too."""
+    """Post-norm with a tied projection, pre-norm (a final norm) with an untied one, queries and keys 3 wide a
+    head beside values 8 wide (`key_dim`); the uncached reference too."""
     rng = np.random.default_rng(2)
     model = kt.Transformer.from_preset("tiny", vocab_size=40, **kwargs)
     model.build()

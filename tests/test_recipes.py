@@ -1,22 +1,32 @@
-"""The paper's WMT14 English-German recipes (configs/wmt14-base.json, configs/wmt14-big.json): their settings
-against the paper's, and `make train` with one of them end to end on TFDS' own mock data of
-wmt14_translate/de-en, through to an export that translates."""
+"""The paper's WMT14 recipes (configs/wmt14-base.json and configs/wmt14-big.json, English-German;
+configs/wmt14-en-fr-big.json, English-French): their settings against the paper's, and `make train` with the
+base en-de and the en-fr one end to end on TFDS' own mock data of wmt14_translate, through to an export that
+translates. The paper's table 3 (its rows A-E and big) as the kt-train flags docs/training.md gives them: every
+row builds, with the parameter count the paper gives or the difference docs/training.md accounts for."""
 
 import json
+import re
+import shlex
 import subprocess
 
 import pytest
 
 from conftest import COMMAND_ENV, REPO, load_saved_model, mock_tfds_python
 
-# "Attention Is All You Need", section 5 and table 3: the settings of its base and big WMT14 en-de models.
+# "Attention Is All You Need", section 5 and tables 2 and 3: the settings of its base and big WMT14 en-de
+# models, and of its big en-fr one (dropout 0.1 instead of 0.3, a 32,000 word-piece vocabulary from 36M pairs).
 PAPER = {
-    "base": {"d_model": 512, "d_ff": 2048, "num_heads": 8, "dropout": 0.1, "updates": 100_000, "averaged": 5},
-    "big": {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.3, "updates": 300_000, "averaged": 20},
+    "base": {"d_model": 512, "d_ff": 2048, "num_heads": 8, "dropout": 0.1, "updates": 100_000, "averaged": 5,
+             "checkpoint_every": 1400, "dataset": ("wmt14_translate/de-en", "en", "de"), "vocab_size": 37_000},
+    "big": {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.3, "updates": 300_000, "averaged": 20,
+            "checkpoint_every": 600, "dataset": ("wmt14_translate/de-en", "en", "de"), "vocab_size": 37_000},
+    "en-fr-big": {"d_model": 1024, "d_ff": 4096, "num_heads": 16, "dropout": 0.1, "updates": 300_000,
+                  "averaged": 20, "checkpoint_every": 600, "dataset": ("wmt14_translate/fr-en", "en", "fr"),
+                  "vocab_size": 32_000},
 }
 
 
-@pytest.mark.parametrize("size", ["base", "big"])
+@pytest.mark.parametrize("size", ["base", "big", "en-fr-big"])
 def test_the_wmt14_recipes_have_the_papers_settings(size):
     import keras_transformer as kt
     from training.config import check_settings, resolve_settings
@@ -30,27 +40,32 @@ def test_the_wmt14_recipes_have_the_papers_settings(size):
     assert (model.num_encoder_layers, model.num_decoder_layers) == (6, 6)
     # Post-norm residuals, sinusoidal positions, the embeddings shared with the pre-softmax projection.
     assert not model.norm_first and not model.learned_positions and model.tie_output_embedding
-    assert (cfg.dataset, cfg.source_lang, cfg.target_lang) == ("wmt14_translate/de-en", "en", "de")
-    # A shared source-target vocabulary of about 37,000 byte-pair pieces, from all 4.5M pairs' both sides.
-    assert (cfg.vocab_size, cfg.vocab_type, cfg.vocab_sample) == (37_000, "bpe", 9_000_000)
+    assert (cfg.dataset, cfg.source_lang, cfg.target_lang) == paper["dataset"]
+    # A shared source-target vocabulary: 37,000 byte-pair pieces from all 4.5M en-de pairs' both sides; 32,000
+    # word-pieces for en-fr (sentencepiece has no word-piece model: BPE, merges as word-piece grows its
+    # vocabulary), from a sample of 9M of its 72M lines.
+    assert (cfg.vocab_size, cfg.vocab_type, cfg.vocab_sample) == (paper["vocab_size"], "bpe", 9_000_000)
     # About 25,000 source and 25,000 target tokens an update, on any number of replicas.
     assert cfg.tokens_per_batch == 25_000 and not cfg.tokens_per_replica
     assert (cfg.label_smoothing, cfg.warmup_steps, cfg.adam_epsilon) == (0.1, 4000, 1e-9)
     assert (cfg.max_updates, cfg.epochs, cfg.average_last) == (paper["updates"], None, paper["averaged"])
-    assert cfg.checkpoint_every and (cfg.beam_size, cfg.length_penalty) == (4, 0.6)
+    # Checkpoints every 10 minutes of the paper's step time (0.4 s base, 1.0 s big), beam 4, length penalty 0.6.
+    assert (cfg.checkpoint_every, cfg.beam_size, cfg.length_penalty) == (paper["checkpoint_every"], 4, 0.6)
 
 
-def test_make_train_runs_the_wmt14_recipe_on_tfds_mock_data_through_to_an_export(tmp_path):
-    """`make train CONFIG=configs/wmt14-base.json` with the model shrunk and 6 updates by TRAIN_FLAGS, each
-    command under `tfds.testing.mock_data`: the corpus is prepared into the run, trained by updates
-    (checkpoints at updates 2, 4 and 6), the last 2 averaged, newstest2014's split scored, and the export
-    translates."""
+@pytest.mark.parametrize("recipe,dataset", [("wmt14-base", "wmt14_translate/de-en"),
+                                            ("wmt14-en-fr-big", "wmt14_translate/fr-en")])
+def test_make_train_runs_the_wmt14_recipe_on_tfds_mock_data_through_to_an_export(tmp_path, recipe, dataset):
+    """`make train CONFIG=configs/RECIPE.json` (no SRC or TGT: the languages are the config's) with the model
+    shrunk and 6 updates by TRAIN_FLAGS, each command under `tfds.testing.mock_data`: the corpus is prepared into
+    the run, trained by updates (checkpoints at updates 2, 4 and 6), the last 2 averaged, newstest2014's split
+    scored, and the export translates."""
     import tensorflow as tf
 
-    run, export = tmp_path / "wmt14-base-en-de", tmp_path / "export"
+    run, export = tmp_path / recipe, tmp_path / "export"
     flags = ("--preset tiny --vocab-size 1000 --vocab-sample 20000 --max-length 64 --tokens-per-batch 600 "
              "--max-updates 6 --checkpoint-every 2 --average-last 2 --verbose 0")
-    done = subprocess.run(["make", "-o", ".venv/.installed", "train", "CONFIG=configs/wmt14-base.json",
+    done = subprocess.run(["make", "-o", ".venv/.installed", "train", f"CONFIG=configs/{recipe}.json",
                            f"RUN={run}", f"EXPORT={export}", f"TRAIN_FLAGS={flags}", f"PY={mock_tfds_python(tmp_path)}"],
                           cwd=REPO, env=COMMAND_ENV, capture_output=True, text=True, timeout=900)
     out = done.stdout + done.stderr
@@ -61,9 +76,103 @@ def test_make_train_runs_the_wmt14_recipe_on_tfds_mock_data_through_to_an_export
         f"update-{u:07d}.weights.h5" for u in (2, 4, 6)]
     assert "Averaged 2 checkpoint(s): update-0000004.weights.h5, update-0000006.weights.h5" in out
     config = json.loads((run / "config.json").read_text())
-    assert config["training"]["dataset"] == "wmt14_translate/de-en" and config["last_run"]["optimizer_steps"] == 6
+    assert config["training"]["dataset"] == dataset and config["last_run"]["optimizer_steps"] == 6
+    target = dataset[-5:-3]  # the config's target_lang: de, fr
+    assert (config["training"]["source_lang"], config["training"]["target_lang"]) == ("en", target)
     assert "BLEU|nrefs:1|case:mixed" in out  # kt-evaluate scored the test split: sacreBLEU, and the paper's BLEU
     assert "Paper protocol (Moses-tokenised, compounds split" in out and "Multi30k protocol" not in out
     versions = sorted((export / "translator").iterdir())
     served = load_saved_model(versions[-1]).signatures["serving_default"](text=tf.constant(["a b c", ""]))
     assert [type(t) for t in served["translation"].numpy().tolist()] == [bytes, bytes]
+
+
+# The paper's table 3, in its order: (row, N, d_model, d_ff, h, d_k, d_v, P_drop, eps_ls, learned positions,
+# updates, parameters in millions; None where the paper leaves the column empty: the base model's). Its
+# parameter counts are of a shared source-target vocabulary of about 37,000 pieces, the embeddings tied.
+TABLE_3 = [
+    ("base", 6, 512, 2048, 8, 64, 64, 0.1, 0.1, False, 100_000, 65),
+    ("A", 6, 512, 2048, 1, 512, 512, 0.1, 0.1, False, 100_000, None),
+    ("A", 6, 512, 2048, 4, 128, 128, 0.1, 0.1, False, 100_000, None),
+    ("A", 6, 512, 2048, 16, 32, 32, 0.1, 0.1, False, 100_000, None),
+    ("A", 6, 512, 2048, 32, 16, 16, 0.1, 0.1, False, 100_000, None),
+    ("B", 6, 512, 2048, 8, 16, 64, 0.1, 0.1, False, 100_000, 58),
+    ("B", 6, 512, 2048, 8, 32, 64, 0.1, 0.1, False, 100_000, 60),
+    ("C", 2, 512, 2048, 8, 64, 64, 0.1, 0.1, False, 100_000, 36),
+    ("C", 4, 512, 2048, 8, 64, 64, 0.1, 0.1, False, 100_000, 50),
+    ("C", 8, 512, 2048, 8, 64, 64, 0.1, 0.1, False, 100_000, 80),
+    ("C", 6, 256, 2048, 8, 32, 32, 0.1, 0.1, False, 100_000, 28),
+    ("C", 6, 1024, 2048, 8, 128, 128, 0.1, 0.1, False, 100_000, 168),
+    ("C", 6, 512, 1024, 8, 64, 64, 0.1, 0.1, False, 100_000, 53),
+    ("C", 6, 512, 4096, 8, 64, 64, 0.1, 0.1, False, 100_000, 90),
+    ("D", 6, 512, 2048, 8, 64, 64, 0.0, 0.1, False, 100_000, None),
+    ("D", 6, 512, 2048, 8, 64, 64, 0.2, 0.1, False, 100_000, None),
+    ("D", 6, 512, 2048, 8, 64, 64, 0.1, 0.0, False, 100_000, None),
+    ("D", 6, 512, 2048, 8, 64, 64, 0.1, 0.2, False, 100_000, None),
+    ("E", 6, 512, 2048, 8, 64, 64, 0.1, 0.1, True, 100_000, None),
+    ("big", 6, 1024, 4096, 16, 64, 64, 0.3, 0.1, False, 300_000, 213),
+]
+TABLE_3_HEADING = "## The paper's table 3"
+# docs/training.md's explanation of the base-sized rows' counts: a tied embedding of 41,000 rows instead of
+# 37,000 gives, rounded to millions, each figure the paper gives for them.
+PAPER_COUNT_VOCABULARY = 41_000
+
+
+def table_3_of_the_docs():
+    """docs/training.md's table 3: per row, (its row cell, the kt-train arguments its command cell gives, the
+    parameter count of its "ours" cell)."""
+    text = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
+    section = text[text.index(TABLE_3_HEADING):]
+    section = section[:section.index("\n## ", 1)]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or not re.fullmatch(r"\(?[A-E]\)?|base|big", cells[0].strip("*")):
+            continue
+        (command,) = re.findall(r"`([^`]+)`", cells[2])
+        words = shlex.split(command)
+        config = "configs/wmt14-base.json"
+        if words and words[0].startswith("CONFIG="):
+            config = words.pop(0).partition("=")[2]
+        rows.append((cells[0].strip("*()"), ["--config", str(REPO / config), *words], int(cells[-1].replace(",", ""))))
+    return rows
+
+
+def test_every_row_of_table_3_is_a_command_with_the_papers_settings_and_parameter_count():
+    """Each row of docs/training.md's table 3 resolves (the config and flags its command gives, as kt-train
+    reads them) to the paper's N, d_model, d_ff, h, d_k, d_v, P_drop, eps_ls, positions and training steps,
+    and its model, built with the shared vocabulary of 37,000 pieces and tied embeddings (built without
+    values: the shapes of its weights, `keras.StatelessScope`), has the count its "ours" cell gives. That
+    count is within 1% of the paper's, or (the base-sized rows) docs/training.md's account of the difference
+    holds: an embedding of 41,000 rows, rounded to millions, gives the paper's figure; the rows whose figure the
+    paper leaves empty have the base count (learned positions: plus their table)."""
+    import keras
+
+    import keras_transformer as kt
+    from training.config import check_settings, resolve_settings
+
+    rows = table_3_of_the_docs()
+    assert [row for row, _, _ in rows] == [row[0] for row in TABLE_3]
+    counts = []
+    for (row, args, documented), paper in zip(rows, TABLE_3):
+        _, n, d_model, d_ff, h, d_k, d_v, p_drop, eps_ls, learned, updates, millions = paper
+        cfg = resolve_settings(args)
+        check_settings(cfg)
+        with keras.StatelessScope():  # weights with shapes and no values: no 200M random numbers drawn
+            model = kt.Transformer.from_preset(cfg.preset, vocab_size=cfg.vocab_size, **cfg.model)
+            model.build()
+        attention = model.decoder.decoder_layers[0].cross_attention
+        got = (model.num_encoder_layers, model.num_decoder_layers, model.d_model, model.d_ff, model.num_heads,
+               attention.key_dim, attention.value_dim, model.dropout, cfg.label_smoothing, model.learned_positions,
+               cfg.max_updates, cfg.vocab_size, model.tie_output_embedding)
+        assert got == (n, n, d_model, d_ff, h, d_k, d_v, p_drop, eps_ls, learned, updates, 37_000, True), (row, args)
+        count = model.count_params()
+        assert count == documented, (row, args, count)
+        counts.append(count)
+        if millions is None:
+            # Learned positions: a table of one row per position of the longest pair kt-train keeps.
+            assert not learned or model.max_positions == cfg.max_sentence_length == 256
+            table = model.max_positions * d_model if learned else 0
+            assert count == counts[0] + table, (row, args)
+        elif abs(count - millions * 1e6) > 0.01 * millions * 1e6:
+            assert round((count + (PAPER_COUNT_VOCABULARY - 37_000) * d_model) / 1e6) == millions, (row, count)
+    assert abs(counts[-1] - 213e6) <= 0.01 * 213e6  # big: within 1% of the paper's 213M

@@ -20,9 +20,9 @@ def _twins(num_heads=4, key_dim=8, dtype=None, **kwargs):
     return ours, reference
 
 
-def _same_weights(ours, reference, query, value):
-    ours(query, value)
-    reference(query, value)
+def _same_weights(ours, reference, query, value, **kwargs):
+    ours(query, value, **kwargs)
+    reference(query, value, **kwargs)
     rng = np.random.default_rng(0)
     # Random biases too, so that a bias added in the wrong place shows.
     weights = [rng.normal(size=w.shape).astype("float32") * 0.3 for w in ours.get_weights()]
@@ -62,6 +62,40 @@ def test_outputs_and_weights_equal_keras(inputs, case):
     ref_out, ref_scores = reference(query, value, **kwargs)
     np.testing.assert_allclose(to_numpy(out), to_numpy(ref_out), atol=1e-5)
     np.testing.assert_allclose(to_numpy(scores), to_numpy(ref_scores), atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["self_causal", "cross_masked"])
+def test_a_key_size_apart_from_the_value_size_equals_keras(inputs, case):
+    """d_k = 3 for queries and keys, d_v = 8 for values (Keras' `key_dim` and `value_dim`; the paper's table 3,
+    rows B): the full pass and the cached one, fixed buffer and cross-attention cache, compute Keras' layer."""
+    query, memory, memory_mask = inputs
+    ours, reference = _twins(key_dim=3, value_dim=8)
+    value = query if case == "self_causal" else memory
+    # Keras' layer returning its scores: its own product. Without them it calls `ops.dot_product_attention`,
+    # which on JAX (jax.nn.dot_product_attention) takes values only as wide as the keys.
+    _same_weights(ours, reference, query, value, return_attention_scores=True)
+    w = ours.projections
+    assert (w.query.kernel.shape, w.key.kernel.shape, w.value.kernel.shape, w.output.kernel.shape) == (
+        (16, 4, 3), (16, 4, 3), (16, 4, 8), (4, 8, 16))
+    kwargs = {"use_causal_mask": True} if case == "self_causal" else {"attention_mask": memory_mask[:, None, :]}
+    expected, expected_scores = (to_numpy(t) for t in reference(query, value, return_attention_scores=True, **kwargs))
+    out, scores = ours(query, value, return_attention_scores=True, **kwargs)
+    np.testing.assert_allclose(to_numpy(out), expected, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(scores), expected_scores, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(ours(query, value, **kwargs)), expected, atol=1e-5)
+    if case == "self_causal":
+        cache = ours.empty_cache(3, 5)
+        assert [tuple(t.shape) for t in cache] == [(3, 4, 5, 3), (3, 4, 5, 8)]
+        steps = []
+        for t in range(5):
+            y, cache = ours(query[:, t:t + 1], query[:, t:t + 1], cache=cache, cache_index=t)
+            steps.append(to_numpy(y))
+        cached = np.concatenate(steps, axis=1)
+    else:
+        cache = ours.compute_cache(memory)
+        assert [tuple(t.shape) for t in cache] == [(3, 4, 7, 3), (3, 4, 7, 8)]
+        cached = to_numpy(ours(query, memory, cache=cache, attention_mask=memory_mask[:, None, :])[0])
+    np.testing.assert_allclose(cached, expected, atol=1e-5)
 
 
 def test_gradients_equal_keras(inputs):

@@ -127,6 +127,23 @@ def test_incremental_decoding_equals_full_pass_pre_norm_separate_vocab():
     np.testing.assert_allclose(_step_by_step_logits(model, source, target), full, atol=1e-5)
 
 
+def test_incremental_decoding_equals_full_pass_with_a_key_size_apart_from_the_value_size():
+    """key_dim=3 (d_k) and d_v = d_model // num_heads = 8: caches of keys 3 wide and values 8 wide, fixed and
+    growing, give the full pass's logits."""
+    rng = np.random.default_rng(5)
+    model = kt.Transformer.from_preset("tiny", vocab_size=30, key_dim=3)
+    source, target = random_ids(rng, 2, 6, high=30), random_ids(rng, 2, 5, high=30)
+    source[0, 4:] = 0
+    full = to_numpy(model((source, target)))
+    cache = model.init_decoding_cache(model.encode(source, training=False), 5)
+    for name in ("self_attention", "cross_attention"):
+        keys, values = cache[name][0]
+        assert (keys.shape[1], keys.shape[3], values.shape[1], values.shape[3]) == (4, 3, 4, 8), name
+    np.testing.assert_allclose(_step_by_step_logits(model, source, target), full, atol=1e-5)
+    growing = _step_by_step_logits(model, source, target, AttentionOps(growing_cache=True))
+    np.testing.assert_allclose(growing, full, atol=1e-5)
+
+
 def test_decoding_works_on_a_model_never_called():
     model = kt.Transformer.from_preset("tiny", vocab_size=20)
     tokens, scores = kt.greedy_decode(model, np.array([[5, 6, 3]], "int32"), start_id=2, end_id=3, max_output_length=4)

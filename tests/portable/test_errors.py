@@ -1,5 +1,7 @@
 """Mistakes a user can make get a message that names what was wrong."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,9 @@ def test_positions_past_a_learned_table_name_max_positions():
     # One decoding step past the table too.
     with pytest.raises(ValueError, match=message):
         model.target_embedding(np.ones((2, 1), "int32"), start_index=8)
+
+
+@pytest.mark.parametrize("key_dim", [0, -4, 2.5, True, "16"])
+def test_a_key_size_must_be_a_positive_int(key_dim):
+    with pytest.raises(ValueError, match=r"key_dim must be a positive int .* got " + re.escape(repr(key_dim))):
+        kt.Transformer.from_preset("tiny", vocab_size=20, key_dim=key_dim)

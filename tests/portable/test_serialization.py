@@ -37,6 +37,31 @@ def test_transformer_saves_and_loads(tmp_path, tiny_model):
     np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
 
 
+def test_a_transformer_with_its_own_key_size_saves_and_loads(tmp_path):
+    """key_dim=3 (d_k) beside tiny's d_model // num_heads = 8 (d_v): every attention's W^Q and W^K are 3 wide a
+    head and W^V 8, and the .keras file rebuilds them so, with the same outputs."""
+    rng = np.random.default_rng(4)
+    source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
+    source[1, 4:] = 0
+    model = kt.Transformer.from_preset("tiny", vocab_size=VOCAB, key_dim=3)
+    before = to_numpy(model((source, target)))
+    attentions = [layer.self_attention for layer in model.encoder.encoder_layers] + [
+        attention for layer in model.decoder.decoder_layers
+        for attention in (layer.self_attention, layer.cross_attention)]
+    assert len(attentions) == 6
+    for attention in attentions:
+        w = attention.projections
+        assert (w.query.kernel.shape, w.key.kernel.shape, w.value.kernel.shape) == ((32, 4, 3), (32, 4, 3), (32, 4, 8))
+    model.save(tmp_path / "k.keras")
+    loaded = keras.models.load_model(tmp_path / "k.keras")
+    assert loaded.key_dim == 3 and loaded.get_config() == model.get_config()
+    assert [w.shape for w in loaded.weights] == [w.shape for w in model.weights]
+    np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
+    # A configuration saved before the option (no "key_dim") builds the paper's d_k = d_model // num_heads.
+    old = {key: value for key, value in model.get_config().items() if key != "key_dim"}
+    assert kt.Transformer.from_config(old).encoder.encoder_layers[0].self_attention.key_dim == 8
+
+
 def test_compiled_transformer_reloads_with_loss_metric_and_schedule(tmp_path, tiny_model):
     tiny_model.compile(
         optimizer=kt.paper_adam(32, warmup_steps=10),
@@ -61,12 +86,15 @@ LAYERS = [
     (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF, dropout=0.2)),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3, norm_first=True)),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, attention_dropout=0.1, activation_dropout=0.2)),
+    (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, key_dim=3)),
+    (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, key_dim=5)),
     (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3)),
     (kt.Encoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF)),
     (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, norm_first=True)),
     (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, attention_dropout=0.1,
                       activation_dropout=0.2, use_cross_attention=False)),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"])),
+    (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], key_dim=3)),
     (kt.Transformer, dict(source_vocab_size=11, target_vocab_size=13, d_model=16, num_heads=2, d_ff=8,
                           num_encoder_layers=1, num_decoder_layers=3, tie_output_embedding=False)),
 ]
