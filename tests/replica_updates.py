@@ -2,7 +2,9 @@
 CPU devices and multi-worker strategies must be set up before TensorFlow starts).
 
     python tests/replica_updates.py OUT.json REPLICAS [CASE ...]  # REPLICAS logical CPU devices (MirroredStrategy; 1: default)
-    TF_CONFIG=... python tests/replica_updates.py OUT.json workers   # one worker of a MultiWorkerMirroredStrategy
+    TF_CONFIG=... python tests/replica_updates.py OUT.json workers [CASE ...]  # a worker of a MultiWorkerMirroredStrategy
+
+Without CASEs it trains every case but the linear ones (LINEAR_CASES), which tests ask for by name.
 
 For each case it trains 3 updates of a tiny Transformer (dropout off, SGD, so a gradient's scale shows in the
 weights) on the same global batches, whose halves hold different numbers of real target tokens, with kt-train's
@@ -15,8 +17,14 @@ Cases "own-script" and "own-script-overflow" train as a user's own script does, 
 `kt.Transformer` compiled in the strategy's scope with a Keras optimizer that clips (`global_clipnorm`) and
 accumulates (`gradient_accumulation_steps`), the library's loss and metric, then `model.fit`; the second under
 mixed_float16, with a sample weight that overflows on the second replica's share of the first batch.
+The linear cases (LINEAR_CASES: "scaled-overflow", "scaled-clip", ...) train a model of one `Dense` layer over
+float features, in float32, under `UpdateStep`, on global batches whose halves hold very different numbers of
+real target tokens, some with loss scaling (a `LossScaleOptimizer`, as Keras wraps the optimizer under
+mixed_float16), a clip, an overflow (an infinite feature) in one batch's second half; they write the batches
+and, after each batch, what `EachBatch` records, for the test to compare with the update it computes by hand.
 """
 
+import inspect
 import json
 import sys
 
@@ -48,6 +56,21 @@ CASES = {
     "r-drop": (2, None, 1.0),
 }
 OWN_SCRIPT = (3, 0.05)  # the own-script case's batches per update and global clip norm
+# The linear cases: batches per update, updates, the LossScaleOptimizer's initial scale (None: no loss scaling),
+# the update step's global clip norm, the optimizer's own, and the batch (0-based) whose second half (replica 2's
+# share on two replicas) holds an infinite feature. Each scaled case grows the scale after 2 finite updates.
+LINEAR_CASES = {
+    # the second batch of update 2 overflows: update 2 is skipped, the scale halves; updates 3 and 4 are applied,
+    # the scale doubles again after update 4
+    "scaled-overflow": dict(accumulate=2, updates=4, scale=2.0 ** 15, step_clip=None, own_clip=None, overflow=3),
+    # a scale of 2^20 on a clipped update: the clip must see the unscaled gradient
+    "scaled-clip": dict(accumulate=2, updates=2, scale=2.0 ** 20, step_clip=0.05, own_clip=None, overflow=None),
+    "scaled-own-clip": dict(accumulate=1, updates=2, scale=2.0 ** 20, step_clip=None, own_clip=0.05, overflow=None),
+    "unequal-tokens": dict(accumulate=1, updates=2, scale=None, step_clip=None, own_clip=None, overflow=None),
+    "unequal-tokens+accumulate": dict(accumulate=2, updates=2, scale=None, step_clip=None, own_clip=None,
+                                      overflow=None),
+}
+LINEAR_FEATURES, LINEAR_CLASSES = 8, 20
 TRACKED = ("embedding", "encoder/layer_0/self_attention/query", "decoder/layer_0/feed_forward")  # a few weights are enough to tell updates apart
 
 
@@ -192,6 +215,28 @@ def train_case(strategy, name):
             "definition": definition, "evaluated": evaluated}
 
 
+class EachBatch(keras.callbacks.Callback):
+    """After each batch: the optimizer's step, the batches accumulated towards the next update, the loss scale and
+    `LossScaleOptimizer`'s count of finite updates (None without loss scaling), and every replica's copy of every
+    weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        self.steps.append({
+            "loss_scale": float(optimizer.dynamic_scale.numpy()) if scaled else None,
+            "step_counter": int(optimizer.step_counter.numpy()) if scaled else None,
+            "step": int(optimizer.iterations.numpy()),
+            "pending": inspect.unwrap(self.model.train_step).pending(),
+            "replica_weights": [[c.numpy().tolist() for c in getattr(w.value, "values", (w.value,))]
+                                for w in self.model.trainable_variables],
+        })
+
+
 def overflow_case(strategy):
     """mixed_float16, a model of one `Dense` layer over float features, trained by `UpdateStep` with the
     library's loss: the first batch's second half (replica 2's share on two replicas) holds a feature beyond
@@ -211,22 +256,48 @@ def overflow_case(strategy):
         model.optimizer.build(model.trainable_variables)
         build_fit_state_now(model, (features[0, :2], labels[0, :2]))
         UpdateStep.install(model)
-    steps = []
-
-    class Each(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            steps.append({
-                "loss_scale": float(self.model.optimizer.dynamic_scale.numpy()),
-                "step": int(self.model.optimizer.iterations.numpy()),
-                # every replica's copy of every weight
-                "replica_weights": [[c.numpy().tolist() for c in getattr(w.value, "values", (w.value,))]
-                                    for w in self.model.trainable_variables],
-            })
-
+    each = EachBatch()
     start = [keras.ops.convert_to_numpy(w).tolist() for w in model.trainable_variables]
-    model.fit(data.with_options(options), epochs=1, verbose=0, callbacks=[Each()])
+    model.fit(data.with_options(options), epochs=1, verbose=0, callbacks=[each])
     keras.mixed_precision.set_global_policy("float32")
-    return {"start": start, "steps": steps, "initial_scale": float(model.optimizer.initial_scale)}
+    return {"start": start, "steps": each.steps, "initial_scale": float(model.optimizer.initial_scale)}
+
+
+def linear_case(strategy, name):
+    """LINEAR_CASES[name]: a `Dense` layer over float features, float32, the library's loss, SGD (in a
+    `LossScaleOptimizer` when the case scales the loss), trained by `UpdateStep` on global batches of ROWS rows
+    whose first half holds 7 to 10 real target tokens a row and the second 1 to 3. Writes the batches, the
+    starting weights and `EachBatch`'s records."""
+    case = LINEAR_CASES[name]
+    rng = np.random.default_rng(5)
+    count = case["accumulate"] * case["updates"]
+    features = rng.normal(size=(count, ROWS, L, LINEAR_FEATURES)).astype("float32")
+    labels = np.zeros((count, ROWS, L), "int32")
+    for batch in range(count):
+        for row in range(ROWS):
+            length = rng.integers(L - 3, L + 1) if row < ROWS // 2 else rng.integers(1, 4)
+            labels[batch, row, :length] = rng.integers(1, LINEAR_CLASSES, size=length)
+    if case["overflow"] is not None:
+        features[case["overflow"], ROWS // 2 + 1, 0, 0] = np.inf
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = tf.data.Dataset.from_tensor_slices((features, labels)).with_options(options)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((L, LINEAR_FEATURES)), keras.layers.Dense(LINEAR_CLASSES)])
+        optimizer = keras.optimizers.SGD(LEARNING_RATE, global_clipnorm=case["own_clip"])
+        if case["scale"] is not None:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=case["scale"],
+                                                            dynamic_growth_steps=2)
+        model.compile(optimizer=optimizer, loss=kt.MaskedSparseCategoricalCrossentropy())
+        model.optimizer.build(model.trainable_variables)
+        build_fit_state_now(model, (features[0, :2], labels[0, :2]))
+        UpdateStep.install(model, accumulate=case["accumulate"], global_clipnorm=case["step_clip"])
+    each = EachBatch()
+    start = [keras.ops.convert_to_numpy(w).tolist() for w in model.trainable_variables]
+    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[each])
+    return {"features": features.tolist(), "labels": labels.tolist(), "start": start, "steps": each.steps,
+            "replicas": strategy.num_replicas_in_sync, **case}
 
 
 def main():
@@ -236,6 +307,7 @@ def main():
     cases = sys.argv[3:] or [*CASES, "overflow", "own-script", "own-script-overflow"]
     run = {"overflow": overflow_case, "own-script": own_script_case,
            "own-script-overflow": lambda strategy: own_script_case(strategy, overflow=True)}
+    run.update({name: lambda strategy, name=name: linear_case(strategy, name) for name in LINEAR_CASES})
     results = {name: run[name](strategy) if name in run else train_case(strategy, name) for name in cases}
     if worker_info()[0]:
         with open(OUT, "w") as f:

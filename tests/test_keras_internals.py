@@ -31,7 +31,8 @@ from keras_transformer.keras_internals import (
     rank1_step_logs,
 )
 from training import keras_internals as training_keras_internals
-from training.keras_internals import RAN_OUT_OF_DATA, BackupAndRestoreState, UpdateBoundProgbar, ignoring_ran_out_of_data
+from training.keras_internals import (RAN_OUT_OF_DATA, BackupAndRestoreState, EpochCut, UpdateBoundProgbar,
+                                      ignoring_ran_out_of_data)
 
 to_numpy = keras.ops.convert_to_numpy
 tensorflow_only = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
@@ -434,9 +435,10 @@ def test_keras_backup_writes_through_private_save_model_at_its_private_paths(tmp
 
 @tensorflow_only
 def test_keras_restore_sets_the_private_initial_epoch_that_fit_starts_at(tmp_path):
-    """`BackupAndRestoreState.load_backup` (`model._initial_epoch`, `_load_model`, `_current_epoch`): Keras'
-    own restore sets `model._initial_epoch` from the metadata and leaves `_current_epoch` at 0 (the setter's
-    reason), and fit() starts at `model._initial_epoch`, whatever its `initial_epoch` argument."""
+    """`BackupAndRestoreState.load_backup` and `start_fit_at` (`model._initial_epoch`, `_load_model`,
+    `_current_epoch`): Keras' own restore sets `model._initial_epoch` from the metadata and leaves `_current_epoch`
+    at 0 (the setter's reason), and fit() starts at `model._initial_epoch`, whatever its `initial_epoch`
+    argument, set by a callback's `on_train_begin` too."""
     x, y = _regression()
     model = _dense_model()
     model.fit(x, y, batch_size=4, verbose=0)
@@ -459,6 +461,39 @@ def test_keras_restore_sets_the_private_initial_epoch_that_fit_starts_at(tmp_pat
     assert (meta, ours._initial_epoch) == ({"epoch": 2, "batch": 0}, 2)
     history = ours.fit(x, y, batch_size=4, epochs=4, verbose=0)
     assert history.epoch == [2, 3]
+    state.on_train_begin = lambda logs=None: state.start_fit_at(1)
+    assert ours.fit(x, y, batch_size=4, epochs=4, verbose=0, callbacks=[state]).epoch == [1, 2, 3]
+
+
+@tensorflow_only
+def test_a_stop_set_after_a_batch_ends_the_epoch_and_fit_goes_on_if_it_is_cleared_at_the_epoch_end():
+    """`EpochCut` (`model.stop_training`, fit's loop): with `steps_per_epoch`, `stop_training` set in
+    `on_train_batch_end` ends the epoch's loop over batches, and fit ends after `on_epoch_end` only if it is
+    still set then; cleared there, fit's next epoch reads on from the same dataset iterator, its steps whole.
+    A stop another callback set before the cut stands."""
+    import tensorflow as tf
+
+    x = np.arange(40, dtype="float32").reshape(40, 1)
+    data = tf.data.Dataset.from_tensor_slices((x, x)).batch(1).repeat()
+
+    def fit(*callbacks, cut_after=3):
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.0), "mse", run_eagerly=True)
+        seen, step = [], model.train_step
+        model.train_step = lambda batch: seen.append(int(batch[0][0, 0])) or step(batch)
+        cut = EpochCut()
+        cut.cut_after(cut_after)
+        goes_on = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: cut.go_on())
+        history = model.fit(data, epochs=3, steps_per_epoch=5, verbose=0, shuffle=False,
+                            callbacks=[goes_on, *callbacks, cut])
+        return history.epoch, seen
+
+    assert fit() == ([0, 1, 2], list(range(3 + 5 + 5)))
+    stops = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: setattr(
+        stops.model, "stop_training", batch == 2))
+    assert fit(stops) == ([0], [0, 1, 2])
+    with pytest.raises(ValueError, match="at least one batch"):
+        EpochCut().cut_after(0)
 
 
 @tensorflow_only

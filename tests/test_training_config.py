@@ -483,13 +483,14 @@ def test_a_finished_run_continues_from_its_last_state_to_a_larger_bound(tmp_path
             assert keras.ops.convert_to_numpy(a).tolist() == keras.ops.convert_to_numpy(b).tolist(), (name, a.path)
     assert int(keras.ops.convert_to_numpy(fresh.optimizer.iterations)) == 3
 
-    # The run then goes on to the new bound, numbering its epochs after the finished ones.
+    # The run then goes on to the new bound as a run bounded there from the start: the rest of epoch 2, where the
+    # bound stopped it (its checkpoint written again, whole, and a second history row), then epoch 3.
     summary = train(cfg)
     assert summary["resumed_from"] == {"epoch": 2, "batch": 0, "step": 3}
-    assert summary["optimizer_steps"] == 6 and summary["epochs_run"] == [3, 4]
+    assert summary["optimizer_steps"] == 6 and summary["epochs_run"] == [2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        f"epoch-00{e}.weights.h5" for e in (1, 2, 3, 4)]
-    assert [row["epoch"] for row in history_rows(run)] == ["0", "1", "2", "3"]
+        f"epoch-00{e}.weights.h5" for e in (1, 2, 3)]
+    assert [row["epoch"] for row in history_rows(run)] == ["0", "1", "1", "2"]
     assert not (run / "backup").exists() and not (run / "backup.continue").exists()
     assert json.loads((run / "config.json").read_text())["last_run"]["optimizer_steps"] == 6
 

@@ -327,6 +327,45 @@ def test_pairs_shifted_by_a_lost_line_are_refused_where_the_shift_starts(tmp_pat
     assert len(s) == 3000
 
 
+def test_the_shift_check_streamed_a_chunk_at_a_time_finds_the_same_shift_in_bounded_memory(tmp_path):
+    """kt-prepare checks corpora of 100M pairs as they stream: the check keeps two windows of lengths and a chunk,
+    not the corpus's, and whatever the chunks finds the shift the whole corpus's check finds, raised at the end."""
+    from training.text_files import ALIGNMENT_WINDOW, AlignmentCheck, iter_parallel_chunks
+
+    source, target = _correlated_corpus(12_000, seed=3)
+    lost = 9_321
+    target = target[:lost] + target[lost + 1:] + ["Wort"]
+    lengths = [np.asarray([len(line) for line in side]) for side in (source, target)]
+    messages = set()
+    for chunk in (7, 333, 1_000, 20_000):
+        check = AlignmentCheck("s", "t")
+        for i in range(0, len(source), chunk):
+            check.add(lengths[0][i:i + chunk], lengths[1][i:i + chunk])
+            assert len(check.src) <= 2 * ALIGNMENT_WINDOW + chunk
+        with pytest.raises(DataError) as e:
+            check.finish()
+        messages.add(str(e.value))
+    assert len(messages) == 1
+    first = int(messages.pop().split("from about line ")[1].split()[0])
+    assert abs(first - (lost + 1)) <= 3
+    src, tgt = _pair_files(tmp_path, ("\n".join(source) + "\n").encode(), ("\n".join(target) + "\n").encode())
+    with pytest.raises(DataError) as whole:
+        read_parallel_files(src, tgt)
+    chunks = iter_parallel_chunks(src, tgt, chunk_lines=250)
+    with pytest.raises(DataError) as streamed:
+        for _ in chunks:
+            pass
+    assert str(streamed.value) == str(whole.value)
+    # A million aligned lines: the buffer stays at two windows and a chunk.
+    check = AlignmentCheck("s", "t")
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        k = rng.integers(2, 200, 20_000)
+        check.add(k, k + rng.integers(0, 3, len(k)))
+        assert len(check.src) <= 2 * ALIGNMENT_WINDOW + 20_000
+    check.finish()
+
+
 def test_aligned_pairs_pass_the_shift_check(tmp_path):
     source, target = _correlated_corpus(3000)
     src, tgt = _pair_files(tmp_path, ("\n".join(source) + "\n").encode(), ("\n".join(target) + "\n").encode())

@@ -94,8 +94,9 @@ def _run_and_kill_mid_epoch_2(cmd, meta_path, log_path):
 @needs_multi30k
 @pytest.mark.parametrize("max_updates", [None, 75])
 def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
-    """Killed in epoch 2, the same command resumes from the backup and ends where an uninterrupted run
-    ends: after the planned epochs, or at update 75 (in the middle of epoch 3) with --max-updates 75."""
+    """Killed in epoch 2, the same command resumes from the backup, goes on with epoch 2 after the backup's
+    batch, and ends where an uninterrupted run ends: after the planned epochs, or at update 75 (in the middle of
+    epoch 3) with --max-updates 75."""
     src, tgt = _small_corpus(tmp_path)
     model_dir = tmp_path / "run"
     epochs, steps = 3, 30
@@ -118,13 +119,14 @@ def test_sigkill_mid_epoch_then_resume(tmp_path, max_updates):
     resumes = _resumes(out)
     assert [r[:3] for r in resumes] == [(killed_at["epoch"] + 1, killed_at["batch"], killed_at["step"])], out[-3000:]
     summary = json.loads(out.split("[kt-train] done ")[1].splitlines()[0])
-    # Keras restarts the interrupted epoch from its first batch, with the optimizer's step count of the backup.
-    if max_updates:  # ... and stops at the same update as an uninterrupted run, in whichever epoch that falls
-        last_epoch = killed_at["epoch"] + math.ceil((max_updates - killed_at["step"]) / steps)
+    # The interrupted epoch goes on after the backup's batch, with the optimizer's step count of the backup:
+    # epochs end at the updates an uninterrupted run's end at.
+    if max_updates:  # ... and the run stops at the same update as an uninterrupted run, in the epoch it falls in
+        last_epoch = math.ceil(max_updates / steps)
         assert summary["optimizer_steps"] == max_updates and summary["stopped_by_max_updates"]
-    else:  # ... and runs the planned epochs
+    else:  # ... and runs the planned epochs' updates, no more
         last_epoch = epochs
-        assert summary["optimizer_steps"] == killed_at["step"] + (epochs - killed_at["epoch"]) * steps
+        assert summary["optimizer_steps"] == epochs * steps
         assert not summary["stopped_by_max_updates"]
     # Only the remaining epochs ran, starting with the interrupted one.
     assert summary["epochs_run"] == list(range(killed_at["epoch"] + 1, last_epoch + 1))
@@ -230,9 +232,10 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
         assert f"MultiWorkerMirroredStrategy, worker {i + 1}/2" in out and summary["replicas"] == 2
     assert summaries[0]["final_loss"] == pytest.approx(summaries[1]["final_loss"], rel=1e-6)
     assert summaries[0]["epochs_run"] == summaries[1]["epochs_run"]
-    # The interrupted epoch runs again from its start, continuing the optimizer's step count (as on one process).
+    # The interrupted epoch goes on after the backup's batch, continuing the optimizer's step count (as on one
+    # process): the run makes the planned epochs' updates, no more.
     assert summaries[0]["epochs_run"] == list(range(epoch, epochs + 1))
-    assert summaries[0]["optimizer_steps"] == summaries[1]["optimizer_steps"] == step + (epochs - epoch + 1) * steps
-    # Every planned epoch is in the history, none lost (the interrupted one appears twice: it ran again).
+    assert summaries[0]["optimizer_steps"] == summaries[1]["optimizer_steps"] == epochs * steps
+    # Every planned epoch is in the history, none lost.
     assert sorted({int(row["epoch"]) for row in history_rows(model_dir)}) == list(range(epochs))
     assert (model_dir / "model.keras").exists()

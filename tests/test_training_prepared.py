@@ -14,8 +14,8 @@ stream without a usable pair is an error, not an endless reload.
 import collections
 import dataclasses
 import gzip
-import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +27,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import tensorflow as tf
 
 from conftest import REPO, distributed_env, multi30k_lines, needs_multi30k, start_workers, wait_all, write_lines
@@ -151,10 +152,162 @@ def test_the_shuffle_spans_the_whole_corpus_and_changes_every_epoch(prepared):
         assert 0.4 <= share <= 0.6, (e, share)
         orders.append([r[0] for r in _rows(epoch[:5])])
     assert orders[0] != orders[1] and orders[1] != orders[2] and orders[0] != orders[2]
-    # A run resumed at update 40 starts on an order of its own, not on the first epoch's again.
+    # A run resumed 40 batches in goes on with the same orders (tests/test_training_resume.py).
     resumed = stream_batches(corpus, list(range(len(corpus.shards))), max_sentence_length=128, tokens_per_replica=400,
-                             seed=7, start=40, pool_pairs=1000, epochs=1)
-    assert [r[0] for r in _rows(itertools.islice(resumed, 5))] not in orders
+                             seed=7, skip=40, pool_pairs=1000, epochs=3)
+    assert _rows(resumed) == _rows(batches[40:])
+
+
+SPREAD_PAIRS, SPREAD_SHARDS, SPREAD_FIRST = 24_000, 6, 3_000
+
+
+def _chernoff(mean, low=0.5, high=1.5):
+    """A bound on the chance that a binomial count of mean `mean` (or a hypergeometric one: Hoeffding's sampling
+    without replacement has the same tails) falls outside [low * mean, high * mean]: P(X >= (1 + d) mean) <=
+    exp(-d^2 mean / (2 + d)) and P(X <= (1 - d) mean) <= exp(-d^2 mean / 2)."""
+    up, down = high - 1, 1 - low
+    return math.exp(-up * up * mean / (2 + up)) + math.exp(-down * down * mean / 2)
+
+
+def _spread_failures(shard_of: np.ndarray, shards: int) -> list[str]:
+    """What is wrong with a deal of lines to shards (`shard_of[i]`: line i's shard) that a uniform random deal
+    passes but for a chance below 1e-9 (`test_..._self_check` bounds it), or [] if nothing:
+
+    - every shard holds pairs from every tenth of the corpus, between half and 1.5 times its expected
+      share (each of the shards x 10 counts is binomial, of n / 10 trials and chance 1 / shards);
+    - lines i and i + 1 share a shard about 1 time in `shards`, between half and 1.5 times as often as
+      that (line i + 1's shard minus line i's, modulo shards, is uniform and independent of the others', so
+      the count is binomial, of n - 1 trials and chance 1 / shards).
+
+    A deal in file order fails whatever its seed: in contiguous ranges, each shard misses most tenths; in
+    blocks of 2 lines or more, dealt round-robin or at random, lines and their neighbours share a shard at
+    least half the time; line by line round-robin, never.
+    """
+    n = len(shard_of)
+    counts = np.zeros((shards, 10), np.int64)
+    np.add.at(counts, (shard_of, np.arange(n) * 10 // n), 1)
+    mean = n / 10 / shards
+    failures = []
+    if ((counts < mean / 2) | (counts > 1.5 * mean)).any():
+        failures.append(f"pairs per shard (rows) from each tenth of the corpus (columns), expected {mean:.0f} "
+                        f"each, within half and 1.5 times that:\n{counts}")
+    together, expected = int((shard_of[1:] == shard_of[:-1]).sum()), (n - 1) / shards
+    if not expected / 2 <= together <= 1.5 * expected:
+        failures.append(f"{together} of {n - 1} lines share the next line's shard; a random deal gives about "
+                        f"{expected:.0f}")
+    return failures
+
+
+def test_the_shuffle_test_passes_a_random_deal_and_fails_a_file_order_one_on_every_seed_self_check():
+    n, shards = SPREAD_PAIRS, SPREAD_SHARDS
+    # The chance that a uniform random deal, and the stream's first SPREAD_FIRST pairs, fail the checks of
+    # `test_every_shard_and_the_stream_s_first_pool_span_the_whole_corpus`: the shards x 10 cells, the
+    # neighbours, the first pool's shard holding fewer than SPREAD_FIRST pairs (each shard's count binomial, of
+    # mean n / shards), and SPREAD_FIRST pairs drawn from the whole corpus (hypergeometric) in each tenth.
+    chance = (shards * 10 * _chernoff(n / 10 / shards) + _chernoff((n - 1) / shards)
+              + shards * _chernoff(n / shards, low=SPREAD_FIRST / (n / shards)) + 10 * _chernoff(SPREAD_FIRST / 10))
+    assert chance < 1e-9, chance
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        assert not _spread_failures(rng.integers(0, shards, n), shards), seed
+        in_order = [np.arange(n) * shards // n,  # contiguous ranges
+                    np.arange(n) % shards,  # round-robin, line by line
+                    *[(np.arange(n) // block) % shards for block in (2, 7, 20_000)],  # round-robin blocks
+                    # blocks of lines dealt at random (the stream's pools, shuffled within)
+                    *[np.repeat(rng.integers(0, shards, -(-n // block)), block)[:n] for block in (2, 20_000)],
+                    # a random deal within each tenth, the tenths in turn to each shard
+                    (np.arange(n) * 10 // n + rng.integers(0, 2, n)) % shards]
+        for shard_of in in_order:
+            assert _spread_failures(shard_of, shards), (seed, shard_of[:20])
+
+
+def _indexed_corpus(directory, tokenizer_file, pairs):
+    """`pairs` line pairs, line i spelling i in base 10 on both sides with ten words that are one piece each of
+    `tokenizer_file`'s vocabulary; returns (source file, target file, {a source line's ids: its index})."""
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
+    words = [p[1:] for p in map(sp.id_to_piece, range(sp.get_piece_size()))
+             if p.startswith("\u2581") and p[1:].isalpha() and len(p) > 3 and len(sp.encode(p[1:])) == 1][:10]
+    assert len(words) == 10, words
+    width = len(str(pairs - 1))
+    lines = [" ".join(words[int(d)] for d in f"{i:0{width}d}") for i in range(pairs)]
+    ids = {tuple(sp.encode(line)): i for i, line in enumerate(lines)}
+    assert len(ids) == pairs and {len(k) for k in ids} == {width}  # one length: one bucket, every pair alike
+    return (write_lines(directory / "indexed.en", lines), write_lines(directory / "indexed.de", lines),
+            ids)
+
+
+def _shard_of(corpus, index):
+    """[i]: the shard holding line i of `_indexed_corpus`'s (each line in exactly one)."""
+    shard_of = np.full(len(index), -1)
+    for k in range(len(corpus.shards)):
+        arrays = corpus.load_shard(k)
+        width = len(next(iter(index)))
+        for row in arrays["source_ids"].reshape(-1, width):
+            line = index[tuple(int(x) for x in row)]
+            assert shard_of[line] == -1, f"line {line} in shards {shard_of[line]} and {k}"
+            shard_of[line] = k
+    assert (shard_of >= 0).all(), f"lines in no shard: {np.flatnonzero(shard_of < 0)[:10]}"
+    return shard_of
+
+
+def test_every_shard_and_the_stream_s_first_pool_span_the_whole_corpus(prepared, tmp_path):
+    """A uniform random deal passes, but for a chance below 1e-9 (the self-check above bounds it); a deal in
+    file order fails whatever the seed, and so does a stream whose first pool is one contiguous part of the
+    corpus, shuffled within."""
+    tokenizer = prepared[0] / "tokenizer.model"
+    src_file, tgt_file, index = _indexed_corpus(tmp_path, tokenizer, SPREAD_PAIRS)
+    out = tmp_path / "out"
+    prepare(build_parser().parse_args(["--out", str(out), "--train-files", str(src_file), str(tgt_file),
+                                       "--tokenizer", str(tokenizer), "--shards", str(SPREAD_SHARDS)]))
+    corpus = open_prepared(out)
+    assert len(corpus.shards) == SPREAD_SHARDS
+    shard_of = _shard_of(corpus, index)
+    failures = _spread_failures(shard_of, SPREAD_SHARDS)
+    assert not failures, "\n".join(failures)
+    # The stream, a shard a pool: its first SPREAD_FIRST pairs, from the first pool, span the whole corpus too.
+    stream = stream_batches(corpus, list(range(SPREAD_SHARDS)), max_sentence_length=64, tokens_per_replica=2000,
+                            seed=5, pool_pairs=1, epochs=1)
+    first = []
+    for (source, _), _ in stream:
+        first += [index[tuple(int(x) for x in row[:-1])] for row in source]
+        if len(first) >= SPREAD_FIRST:
+            break
+    tenths = np.bincount(np.asarray(first[:SPREAD_FIRST]) * 10 // SPREAD_PAIRS, minlength=10)
+    mean = SPREAD_FIRST / 10
+    assert ((tenths >= mean / 2) & (tenths <= 1.5 * mean)).all(), (
+        f"the stream's first {SPREAD_FIRST} pairs from each tenth of the corpus, expected {mean:.0f} each: {tenths}")
+
+
+def test_a_corpus_over_the_shard_bound_is_written_in_a_multiple_of_the_shards_asked_each_within_it(
+        prepared, tmp_path, monkeypatch):
+    """A shard is built whole, and trained on a pool at a time: past --shards x PAIRS_PER_SHARD pairs, kt-prepare
+    writes the least multiple of --shards whose shards hold PAIRS_PER_SHARD pairs or fewer each (on average),
+    each a uniform random sample still."""
+    shard_count, limit = prepare_module.shard_count, prepare_module.PAIRS_PER_SHARD
+    assert [shard_count(n, 64) for n in (1, 64 * limit, 64 * limit + 1, 100_000_000, 10 ** 9)] == [
+        64, 64, 128, 64 * -(-100_000_000 // (64 * limit)), 64 * -(-10 ** 9 // (64 * limit))]
+    assert shard_count(100_000_000, 64) * limit >= 100_000_000 and shard_count(7 * limit, 3) == 9
+    with pytest.raises(ValueError, match="requested shards must be 1 or more"):
+        shard_count(10, 0)
+    # 2 shards asked, at most 4,000 pairs each: 6 shards of 24,000 pairs (each of the 2 scatter files dealt again
+    # to 3, read 4,000 pairs at a time).
+    monkeypatch.setattr(prepare_module, "PAIRS_PER_SHARD", SPREAD_PAIRS // SPREAD_SHARDS)
+    tokenizer = prepared[0] / "tokenizer.model"
+    src_file, tgt_file, index = _indexed_corpus(tmp_path, tokenizer, SPREAD_PAIRS)
+    out = tmp_path / "out"
+    prepare(build_parser().parse_args(["--out", str(out), "--train-files", str(src_file), str(tgt_file),
+                                       "--tokenizer", str(tokenizer), "--shards", "2"]))
+    corpus = open_prepared(out)
+    assert [s["file"] for s in corpus.shards] == [f"shard-{k:05d}-of-00006.npz" for k in range(6)]
+    assert corpus.manifest["pairs_per_shard_limit"] == SPREAD_PAIRS // SPREAD_SHARDS
+    assert not (out / prepare_module.SCATTER_DIR).exists()
+    shard_of = _shard_of(corpus, index)  # every pair in one shard, once
+    sizes = np.bincount(shard_of, minlength=6)
+    assert [s["pairs"] for s in corpus.shards] == sizes.tolist()
+    # Each binomial, of mean 4,000: above 6,000 with a chance below 6 exp(-400) (`_chernoff`).
+    assert sizes.max() <= 1.5 * SPREAD_PAIRS / SPREAD_SHARDS, sizes
+    failures = _spread_failures(shard_of, SPREAD_SHARDS)
+    assert not failures, "\n".join(failures)
 
 
 def test_the_same_command_again_does_nothing_and_another_into_the_same_directory_is_refused(prepared, capsys):

@@ -2,7 +2,8 @@
 gradient over replicas and accumulated batches before it checks for overflow, clips and applies it.
 
 tests/replica_updates.py trains the same 3 updates with 1 replica, 2 logical CPU replicas (MirroredStrategy) and
-2 workers (MultiWorkerMirroredStrategy on 127.0.0.1); these tests compare what each wrote.
+2 workers (MultiWorkerMirroredStrategy on 127.0.0.1); these tests compare what each wrote. Its linear cases train a
+model of one `Dense` layer, whose update these tests compute by hand (`hand_update`).
 """
 
 import json
@@ -17,17 +18,20 @@ from conftest import REPO, distributed_env, start_workers, two_batch_epochs_args
 PROGRAM = str(REPO / "tests" / "replica_updates.py")
 CASES = ["clip", "accumulate", "clip+accumulate", "r-drop"]  # the own-script cases are apart
 CLIP, LEARNING_RATE = 0.05, 0.5  # as in replica_updates.py
+# replica_updates.py's linear cases (its LINEAR_CASES), and their loss's label smoothing (the library loss's default)
+LINEAR_CASES = ["scaled-overflow", "scaled-clip", "scaled-own-clip", "unequal-tokens", "unequal-tokens+accumulate"]
+LABEL_SMOOTHING = 0.1
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{"1": one replica, "2": two replicas, "workers": two workers}: each program's results."""
-    out = tmp_path_factory.mktemp("replica-updates")
-    procs = {mode: subprocess.Popen([sys.executable, PROGRAM, str(out / f"{mode}.json"), mode], cwd=REPO,
+def run_program(out, cases=()):
+    """Runs tests/replica_updates.py's `cases` (its default ones if none) on 1 replica, 2 replicas and 2 workers at
+    once, writing into the folder `out`: {"1": one replica, "2": two replicas, "workers": two workers}, each
+    program's results."""
+    procs = {mode: subprocess.Popen([sys.executable, PROGRAM, str(out / f"{mode}.json"), mode, *cases], cwd=REPO,
                                     env=distributed_env(), stdout=subprocess.DEVNULL,
                                     stderr=open(out / f"{mode}.log", "w"))
              for mode in ("1", "2")}
-    workers = start_workers([sys.executable, PROGRAM, str(out / "workers.json"), "workers"],
+    workers = start_workers([sys.executable, PROGRAM, str(out / "workers.json"), "workers", *cases],
                             [out / f"worker-{i}.log" for i in range(2)])
     for mode, proc in procs.items():
         proc.wait(timeout=1200)
@@ -36,6 +40,18 @@ def runs(tmp_path_factory):
     for i, (proc, _) in enumerate(workers):
         assert proc.returncode == 0, (out / f"worker-{i}.log").read_text()[-3000:]
     return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in ("1", "2", "workers")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The default cases' results on each replica count (`run_program`)."""
+    return run_program(tmp_path_factory.mktemp("replica-updates"))
+
+
+@pytest.fixture(scope="module")
+def linear_runs(tmp_path_factory):
+    """The linear cases' results on each replica count (`run_program`)."""
+    return run_program(tmp_path_factory.mktemp("linear-updates"), LINEAR_CASES)
 
 
 def assert_same_weights(expected, actual, what, rtol=1e-5):
@@ -166,6 +182,153 @@ def test_own_script_mixed_float16_skips_an_overflow_on_any_replica_everywhere(ru
 
 
 # ---------------------------------------------------------------------------
+# The update by hand: replica_updates.py's linear cases train one `Dense` layer (logits = features @ kernel + bias),
+# float32, whose update is computed here from its definition; loss scaling is a `LossScaleOptimizer` around SGD.
+
+
+def token_gradient(kernel, bias, batches):
+    """The gradient (d kernel, d bias) of the mean over every real target token of `batches` ([(features [rows,
+    length, F], labels [rows, length], 0 for padding)]) of the label-smoothed cross-entropy of the logits
+    features @ kernel + bias, in float64. At a real token, d loss / d logits = softmax(logits) - the smoothed
+    target distribution; padding adds nothing."""
+    d_kernel, d_bias, tokens = np.zeros_like(kernel), np.zeros_like(bias), 0
+    for features, labels in batches:
+        logits = features @ kernel + bias
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        classes = kernel.shape[1]
+        target = (1 - LABEL_SMOOTHING) * np.eye(classes)[labels] + LABEL_SMOOTHING / classes
+        d_logits = (probs - target) * (labels != 0)[..., None]
+        d_kernel += np.einsum("rlf,rlc->fc", features, d_logits)
+        d_bias += d_logits.sum((0, 1))
+        tokens += np.count_nonzero(labels)
+    return d_kernel / tokens, d_bias / tokens
+
+
+def hand_update(weights, batches, clip=None):
+    """(kernel, bias) after one SGD step on `token_gradient`, clipped to the global L2 norm `clip` first."""
+    kernel, bias = weights
+    grads = token_gradient(kernel, bias, batches)
+    if clip is not None:
+        grads = [g * min(1.0, clip / global_norm(grads)) for g in grads]
+    return kernel - LEARNING_RATE * grads[0], bias - LEARNING_RATE * grads[1]
+
+
+def global_norm(arrays):
+    return float(np.sqrt(sum(np.sum(np.square(a)) for a in arrays)))
+
+
+def linear_batches(run):
+    """A linear case's batches, as it trained on them: [(features, labels)] in float64."""
+    return list(zip(np.asarray(run["features"], "float64"), np.asarray(run["labels"])))
+
+
+def replica_copies(step):
+    """Every replica's (kernel, bias) after a batch (`EachBatch`'s record)."""
+    kernels, biases = step["replica_weights"]
+    return [(np.asarray(k), np.asarray(b)) for k, b in zip(kernels, biases)]
+
+
+def assert_update(expected, step, what, replicas):
+    """Each replica's copy of the weights after `step` is `expected`, within 1e-5 of each variable's largest."""
+    copies = replica_copies(step)
+    assert len(copies) == (2 if replicas == "2" else 1)
+    for copy in copies:
+        assert_same_weights(dict(zip(("kernel", "bias"), expected)), dict(zip(("kernel", "bias"), copy)), what)
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+def test_an_overflow_in_the_second_batch_of_an_update_skips_the_whole_update(linear_runs, replicas):
+    """2 batches per update, loss scaling (`dynamic_growth_steps=2`): batch 4, the second of update 2, holds an
+    infinite feature in replica 2's share. Update 2 is skipped on every replica, its finite first batch with it:
+    the weights stay as update 1 left them, no update is counted, the scale halves and `LossScaleOptimizer`'s
+    count of finite updates starts again, as Keras' own skip does (`_stateful_handle_non_finite_grads`); no batch
+    is left pending. Two finite updates later the scale doubles again."""
+    run = linear_runs[replicas]["scaled-overflow"]
+    steps, scale = run["steps"], run["scale"]
+    # (optimizer step, batches pending, loss scale, finite updates counted) after each batch
+    assert [(s["step"], s["pending"], s["loss_scale"], s["step_counter"]) for s in steps] == [
+        (0, 1, scale, 0), (1, 0, scale, 1),
+        (1, 1, scale, 1), (1, 0, scale / 2, 0),  # update 2: skipped
+        (1, 1, scale / 2, 0), (2, 0, scale / 2, 1),
+        (2, 1, scale / 2, 1), (3, 0, scale, 0)]
+    start = [np.asarray(w) for w in run["start"]]
+    for copy in replica_copies(steps[0]):  # a batch pending: nothing applied
+        for value, before in zip(copy, start):
+            np.testing.assert_array_equal(value, before)
+    after_update_1 = replica_copies(steps[1])[0]
+    assert_update(hand_update(start, linear_batches(run)[:2]), steps[1], "update 1", replicas)
+    for step in steps[2:4]:  # the skipped update's batches leave every replica's weights as they were
+        for copy in replica_copies(step):
+            for value, before in zip(copy, after_update_1):
+                np.testing.assert_array_equal(value, before)
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+def test_the_update_after_a_skipped_one_starts_afresh(linear_runs, replicas):
+    """After the skipped update 2 (its second batch overflowed), update 3 is the one a fresh run makes from the
+    same weights on batches 5 and 6: the accumulated gradients, tokens and overflow count were reset, so nothing
+    of batches 3 and 4 is left in it (batch 3's finite gradient would move it: checked apart). Update 4 too."""
+    run = linear_runs[replicas]["scaled-overflow"]
+    steps, batches = run["steps"], linear_batches(run)
+    weights = replica_copies(steps[3])[0]  # as update 1 left them
+    expected = hand_update(weights, batches[4:6])
+    assert_update(expected, steps[5], "update 3", replicas)
+    with_leftover = hand_update(weights, [batches[2], *batches[4:6]])
+    assert np.max(np.abs(with_leftover[0] - expected[0])) > 100 * 1e-5 * np.max(np.abs(expected[0]))
+    assert_update(hand_update(replica_copies(steps[5])[0], batches[6:8]), steps[7], "update 4", replicas)
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+@pytest.mark.parametrize("case", ["scaled-clip", "scaled-own-clip"])
+def test_the_clip_sees_the_unscaled_summed_gradient(linear_runs, case, replicas):
+    """A loss scale of 2^20 and a clip to global norm 0.05, on the update step (kt-train's --global-clipnorm; 2
+    batches per update) or on the optimizer (`SGD(global_clipnorm=...)`, a user's own script): each update is SGD's
+    step on the mean gradient over the update's real target tokens, clipped to 0.05. The clip bites (the gradient's
+    norm is well above it); clipping the scaled gradient would have made the update 2^20 times too small."""
+    run = linear_runs[replicas][case]
+    clip, accumulate, batches = run["step_clip"] or run["own_clip"], run["accumulate"], linear_batches(run)
+    assert run["scale"] == 2.0 ** 20 and clip == CLIP
+    weights = [np.asarray(w, "float64") for w in run["start"]]
+    for update in range(run["updates"]):
+        own = batches[update * accumulate:(update + 1) * accumulate]
+        assert global_norm(token_gradient(*weights, own)) > 4 * clip
+        step = run["steps"][(update + 1) * accumulate - 1]
+        assert step["step"] == update + 1
+        assert_update(hand_update(weights, own, clip), step, f"{case}, update {update + 1}", replicas)
+        weights = replica_copies(step)[0]
+
+
+@pytest.mark.parametrize("replicas", ["1", "2", "workers"])
+@pytest.mark.parametrize("case", ["unequal-tokens", "unequal-tokens+accumulate"])
+def test_replicas_of_unequal_token_counts_make_the_update_of_their_concatenated_batches(linear_runs, case, replicas):
+    """Each global batch's first half (replica 1's share on two replicas) holds 7 to 10 real target tokens a row,
+    its second half 1 to 3. On any replica count, and with 2 batches per update, each update is SGD's step on the
+    mean over every real target token of the update's batches, as one replica computes it on their rows
+    concatenated; a mean of the halves' (replicas') means, which weighs a short half's tokens more, is far from
+    it."""
+    run = linear_runs[replicas][case]
+    accumulate, batches = run["accumulate"], linear_batches(run)
+    assert accumulate == (2 if case.endswith("+accumulate") else 1)
+    half = len(batches[0][1]) // 2
+    for _, labels in batches:
+        assert np.count_nonzero(labels[:half]) > 3 * np.count_nonzero(labels[half:])
+    weights = [np.asarray(w, "float64") for w in run["start"]]
+    for update in range(run["updates"]):
+        own = batches[update * accumulate:(update + 1) * accumulate]
+        expected = hand_update(weights, own)
+        step = run["steps"][(update + 1) * accumulate - 1]
+        assert step["step"] == update + 1
+        assert_update(expected, step, f"{case}, update {update + 1}", replicas)
+        # Not vacuous: the mean of the halves' means is another update.
+        shares = [token_gradient(*weights, [(x[part], y[part])]) for x, y in own
+                  for part in (slice(None, half), slice(half, None))]
+        by_shares = weights[0] - LEARNING_RATE * np.mean([g[0] for g in shares], axis=0)
+        assert np.max(np.abs(by_shares - expected[0])) > 100 * 1e-5 * np.max(np.abs(expected[0]))
+        weights = replica_copies(step)[0]
+
+
+# ---------------------------------------------------------------------------
 # Updates, not batches: the step, the schedule, backups and --max-updates count updates.
 
 
@@ -293,6 +456,42 @@ def test_kt_train_accumulates_on_two_replicas_and_keeps_its_batch_plan_on_one(tm
     assert json.loads(out.split("[kt-train] done ")[1].splitlines()[0])["optimizer_steps"] == 4
     recorded = json.loads((model_dir / "config.json").read_text())["batch_plan"]
     assert recorded == {"tokens_per_replica": 200, "replicas": 1, "grad_accum": 4, "tokens_per_update": 800}
+
+
+# ---------------------------------------------------------------------------
+# --jit-compile on more than one replica: refused before the run starts (Keras compiles the whole distributed step
+# with XLA; on CPUs TensorFlow cannot, and on GPUs its XLA all-reduce is untested here).
+
+
+@pytest.mark.parametrize("kind, replicas, refused", [
+    ("CPU", 1, None), ("GPU", 1, None),
+    ("CPU", 2, r"--jit-compile on 2 replicas on CPUs: TensorFlow cannot compile .* with XLA on CPUs .* Drop "
+               r"--jit-compile, or train on one replica"),
+    ("GPU", 2, r"--jit-compile on 2 GPU replicas: .*XLA's GPU all-reduce, a path no test of kt-train runs .* Drop "
+               r"--jit-compile .*, or train on one GPU"),
+    ("GPU", 8, r"--jit-compile on 8 GPU replicas"),
+])
+def test_jit_compile_is_refused_on_more_than_one_replica(kind, replicas, refused):
+    from training.config import check_jit_compile
+    from training.errors import ConfigError
+
+    if refused is None:
+        check_jit_compile(kind, replicas)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            check_jit_compile(kind, replicas)
+
+
+def test_kt_train_refuses_jit_compile_on_two_cpu_replicas_before_it_starts(tmp_path):
+    """kt-train --cpu-replicas 2 --jit-compile stops with the refusal before it writes anything (it failed at the
+    first update, in XLA: "Trying to access resource ... located in device CPU:1 from device CPU:0")."""
+    model_dir = tmp_path / "run"
+    args = two_batch_epochs_args(tmp_path, model_dir) + ["--cpu-replicas", "2", "--jit-compile", "--max-updates", "1"]
+    done = subprocess.run([sys.executable, "-m", "training.train", *args], cwd=REPO, env=distributed_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+    assert "kt-train: error: --jit-compile on 2 replicas on CPUs" in done.stderr
+    assert not model_dir.exists()
 
 
 # ---------------------------------------------------------------------------

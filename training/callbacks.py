@@ -22,37 +22,76 @@ from common.tokenizer import decode_output, encode_source
 from keras_transformer.text import END_ID, START_ID
 from common.run_dir import UPDATE_CHECKPOINT_PATTERN
 from training.errors import BackupError
-from training.keras_internals import BackupAndRestoreState
+from training.keras_internals import BackupAndRestoreState, EpochCut
 from keras_transformer.distributed import UpdateStep
+
+
+class ResumePoint:
+    """Where in its training batches a run starts: `steps`, the fit steps (batches of every replica) that the
+    updates it restored from its backup trained on; 0 for a fresh start. `ResumableBackup` sets it once it has
+    restored a backup, and kt-train's prepared stream reads it each time it starts (after that), to skip them."""
+
+    def __init__(self):
+        self.steps = 0
 
 
 class ResumableBackup(BackupAndRestoreState):
     """`keras.callbacks.BackupAndRestore` that also records the optimizer step, reports where it
-    resumed, and writes each backup atomically.
+    resumed, resumes in the middle of an epoch, and writes each backup atomically.
 
     A kill at any moment leaves a complete (weights, metadata) pair: the new one
     or the previous one. `resumed` holds the metadata a run resumed from (None
     for a fresh start). `save_freq` is "epoch" or a number of updates (optimizer
-    steps; Keras' own counts batches): a backup is taken once that many updates
-    have been made since the last, after the batch that completes an update, so
-    that no batch accumulated towards the next update (which a backup does not
-    hold) is lost on a resume.
+    steps; Keras' own counts batches). Every backup is taken at an update's
+    boundary, so that no batch accumulated towards the next update (which a
+    backup does not hold) is lost on a resume: every `save_freq` updates after
+    the batch that completes an update, and an epoch's end with batches
+    accumulated is backed up after the next update instead.
+
+    With `steps_per_epoch` (fit's, batches of every replica) and
+    `batches_per_update` (the gradient accumulation), a resumed run goes on
+    from the fit step its optimizer step stands for: fit starts at that step's
+    epoch and runs only what is left of it (`epoch_cut`, which must be the last
+    of fit's callbacks), so epochs end at the same updates as in a run never
+    interrupted, and `resume_point` (a `ResumePoint`) says how many steps the
+    training batches skip. A backup is then never taken after an epoch's last
+    batch, before the epoch's end (its validation, checkpoint and history row):
+    the next update's boundary takes it. Without `steps_per_epoch` (an epoch is
+    a pass over a dataset of unknown length), fit starts the backup's epoch
+    again from its first batch.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", num_workers=1):
+    def __init__(self, backup_dir, save_freq="epoch", num_workers=1, *, steps_per_epoch: int | None = None,
+                 batches_per_update: int = 1, resume_point: ResumePoint | None = None):
         super().__init__(backup_dir=str(backup_dir), save_freq=save_freq, double_checkpoint=True)
         self.resumed = None
         self.num_workers = num_workers
         self.saved_at_update = 0
+        self.steps_per_epoch, self.batches_per_update = steps_per_epoch, batches_per_update
+        self.resume_point = resume_point or ResumePoint()
+        self.epoch_cut = EpochCut()
+        self.first_batch = 0  # the epoch's batch fit's batch 0 is: where a resumed run starts in its epoch
+        self.backup_due = False  # an epoch's end left a backup to take at the next update's boundary
 
     def on_train_batch_end(self, batch, logs=None):
-        self.last_batch_seen = batch
-        if self.save_freq == "epoch":
+        self.last_batch_seen = batch + self.first_batch
+        if not self.backup_due and (self.save_freq == "epoch"
+                                    or optimizer_updates(self.model) - self.saved_at_update < self.save_freq):
             return
-        updates = optimizer_updates(self.model)
-        if updates - self.saved_at_update >= self.save_freq and accumulated_batches(self.model) == 0:
-            self.saved_at_update = updates
+        if self.steps_per_epoch and self.last_batch_seen + 1 >= self.steps_per_epoch:
+            return  # the epoch's end, after its validation and callbacks, or the next update takes the backup
+        if not accumulated_batches(self.model):
             self.save_backup()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_cut.go_on()
+        self.first_batch = 0
+        self.current_epoch, self.last_batch_seen = epoch + 1, 0
+        if self.save_freq == "epoch":
+            if accumulated_batches(self.model):
+                self.backup_due = True
+            else:
+                self.save_backup()
 
     def on_train_begin(self, logs=None):
         # Not Keras' own restore: it falls back to the previous backup only on an OSError from the
@@ -79,9 +118,10 @@ class ResumableBackup(BackupAndRestoreState):
             self.resumed = meta
             self.current_epoch = meta["epoch"]
             self.saved_at_update = optimizer_updates(self.model)
+            going_on = self._resume_mid_epoch()
             print(f"[kt-train] resumed from backup{' (the previous one)' if failures else ''}: "
                   f"epoch {meta['epoch'] + 1} (backup taken after batch {meta.get('batch', 0)} of it), "
-                  f"optimizer step {int(self.model.optimizer.iterations.numpy())}", flush=True)
+                  f"optimizer step {int(self.model.optimizer.iterations.numpy())}{going_on}", flush=True)
             return
         if failures:
             raise BackupError(
@@ -90,6 +130,26 @@ class ResumableBackup(BackupAndRestoreState):
                 "(or train into another --model-dir)."
             )
         print("[kt-train] no backup found: starting at epoch 1, optimizer step 0", flush=True)
+
+    def _resume_mid_epoch(self) -> str:
+        """With `steps_per_epoch`: starts fit where the restored optimizer step stands, in the middle of an epoch
+        if need be, and sets `resume_point`; returns what the log line adds."""
+        if not self.steps_per_epoch:
+            return ""
+        steps = optimizer_updates(self.model) * self.batches_per_update
+        epoch, batch = divmod(steps, self.steps_per_epoch)
+        self.resume_point.steps = steps
+        self.current_epoch = epoch
+        self.start_fit_at(epoch)
+        if not batch:
+            return f"; epoch {epoch + 1} starts at its first batch"
+        if self.epoch_cut.model is not self.model:
+            raise RuntimeError("ResumableBackup.epoch_cut is not among fit's callbacks: a run resumed in the "
+                               "middle of an epoch would run that epoch whole. Put it last in the list.")
+        self.first_batch = batch
+        self.epoch_cut.cut_after(self.steps_per_epoch - batch)
+        return (f"; epoch {epoch + 1} goes on with the {self.steps_per_epoch - batch} of its {self.steps_per_epoch} "
+                f"batches left")
 
     def _pairs_every_worker_has(self, pairs):
         """The backups (current, previous) that every worker also has, by optimizer step.
@@ -134,15 +194,6 @@ class ResumableBackup(BackupAndRestoreState):
         paths.metadata_path.write_text(json.dumps({"epoch": epoch, "batch": 0, "step": step}))
         os.replace(staging, backup_dir)
 
-    @classmethod
-    def saved_step(cls, backup_dir) -> int:
-        """The optimizer step of the newest backup in `backup_dir` (0 without a readable one): where a resumed run
-        starts, before the workers agree on it (`on_train_begin`)."""
-        try:
-            return int(json.loads(cls(backup_dir).metadata_path.read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
-
     def save_backup(self):
         # Like Keras' own, but both files are written under temporary names and renamed into place.
         self.weights_path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +209,7 @@ class ResumableBackup(BackupAndRestoreState):
         tmp_meta.write_text(json.dumps(meta))
         os.replace(tmp_weights, self.weights_path)
         os.replace(tmp_meta, self.metadata_path)
+        self.saved_at_update, self.backup_due = meta["step"], False
 
 
 class TimeBudget(keras.callbacks.Callback):
@@ -205,9 +257,8 @@ class UpdateCheckpoint(keras.callbacks.Callback):
     (fairseq's `--save-interval-updates`), for `kt-average-checkpoints --last N`.
 
     Named by the update, not the epoch: a run resumed from a backup taken in the middle of an epoch
-    still writes its checkpoints at the same updates (Keras replays that epoch from its start, so epoch
-    boundaries move, but update counts do not: the optimizer's own count, which a backup restores, and
-    which counts accumulated batches once). Each file is written under a temporary name and renamed into
+    still writes its checkpoints at the same updates (the optimizer's own count, which a backup restores,
+    and which counts accumulated batches once). Each file is written under a temporary name and renamed into
     place, so a kill never leaves a cut checkpoint for averaging to read.
     """
 

@@ -413,6 +413,29 @@ def check_settings(settings: TrainSettings) -> None:
             raise ConfigError(f"{_flag(name)} ({name}) must be positive (or 0 for off), got {getattr(s, name)!r}")
 
 
+def check_jit_compile(device_kind: str, replicas: int) -> None:
+    """--jit-compile's start-up check, for a run on `replicas` replicas in sync on devices of `device_kind`
+    ("CPU" or "GPU", `training.distribute.device_kind`): a `ConfigError` saying what to do on more than one.
+
+    Keras compiles the whole distributed step with XLA, the replicas' all-reduces in it. On CPUs TensorFlow 2.21
+    cannot: MirroredStrategy's replicas on one CPU's logical devices fail at the first update (XLA reaches one
+    device's variables), workers with "Collectives are not yet implemented for CPU devices when compiling with
+    XLA". On GPUs TensorFlow takes XLA's own all-reduce instead, which nothing here tests (the replica tests run on
+    CPUs)."""
+    if replicas <= 1:
+        return
+    if device_kind == "GPU":
+        raise ConfigError(
+            f"--jit-compile on {replicas} GPU replicas: under XLA, TensorFlow all-reduces the update's gradients "
+            "with XLA's GPU all-reduce, a path no test of kt-train runs (its replica tests run on CPUs). Drop "
+            "--jit-compile (the update is the same without it), or train on one GPU (CUDA_VISIBLE_DEVICES=0, one "
+            "worker).")
+    raise ConfigError(
+        f"--jit-compile on {replicas} replicas on CPUs: TensorFlow cannot compile the update's all-reduce across "
+        "replicas with XLA on CPUs (the first update fails). Drop --jit-compile, or train on one replica "
+        "(no --cpu-replicas, one worker).")
+
+
 def _flag(name: str) -> str:
     """The first flag of setting `name`, for messages (every setting a range check names has one)."""
     return flags_of(name)[0].name

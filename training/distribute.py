@@ -69,6 +69,16 @@ def split_cpu(num_replicas: int) -> None:
             "CPU devices must be configured before any TensorFlow op runs.") from e
 
 
+def device_kind(strategy) -> str:
+    """"GPU" when `strategy`'s replicas on this worker run on GPUs, else "CPU" (TensorFlow's default strategy,
+    which names no devices: "GPU" when TensorFlow sees one)."""
+    try:
+        devices = strategy.extended.worker_devices
+    except RuntimeError:  # the default strategy
+        return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return "GPU" if all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in devices) else "CPU"
+
+
 def make_strategy(cpu_replicas: int = 1):
     """The distribution strategy for this process.
 

@@ -33,10 +33,11 @@ from common.tokenizer import make_tokenizer
 from keras_transformer.keras_internals import build_fit_state_now
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
-from training.callbacks import EpochETA, ResumableBackup, TimeBudget, UpdateBudget, UpdateCheckpoint, ValidationBLEU
-from training.config import TrainSettings, batch_plan, check_settings, write_config
+from training.callbacks import (EpochETA, ResumableBackup, ResumePoint, TimeBudget, UpdateBudget, UpdateCheckpoint,
+                                ValidationBLEU)
+from training.config import TrainSettings, batch_plan, check_jit_compile, check_settings, write_config
 from training.data import DataSpec, iterate_text, load_text_pairs
-from training.distribute import input_pipeline, make_strategy, worker_info
+from training.distribute import device_kind, input_pipeline, make_strategy, worker_info
 from training.errors import ConfigError
 from training.fine_tune import InitFrom, init_weights, resolve_init_from, set_init_weights
 from training.keras_internals import UpdateBoundProgbar, ignoring_ran_out_of_data
@@ -312,10 +313,11 @@ def continue_finished_run(settings: TrainSettings, model_dir: Path, out_dir: Pat
 
     The run's last epoch checkpoint holds its weights and its optimizer's state (Adam's moments and
     step) as they were when it stopped; it becomes the backup this run resumes from, as if the run had
-    been stopped there. The paper's learning-rate schedule depends on the update count alone, so the
-    run goes on as one started with the larger bound would have, but for the data order after the
-    resume (as after any resume). Writes `out_dir/backup`; a `ConfigError` when the bounds are not
-    larger than what the run did (training would otherwise start over at epoch 1 on top of it).
+    been stopped there. The paper's learning-rate schedule depends on the update count alone, and a
+    resume goes on in the middle of the epoch it stopped in (on a prepared corpus, with the batches that
+    follow), so the run goes on as one started with the larger bound would have. Writes
+    `out_dir/backup`; a `ConfigError` when the bounds are not larger than what the run did (training
+    would otherwise start over at epoch 1 on top of it).
     """
     done = read_config(model_dir).get("last_run") or {}
     steps = done.get("optimizer_steps")
@@ -396,6 +398,7 @@ class FitData:
     steps_per_epoch: int | None  # None: an epoch is a pass over `train`
     val_bleu: ValidationBLEU | None  # --val-bleu's callback
     batch_contents: dict | None  # `mean_target_tokens` of the first batches (the chief's)
+    resume: ResumePoint  # the fit steps a resumed run's backup holds, which a prepared `train` skips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +420,8 @@ def train(settings: TrainSettings, strategy=None) -> dict:
     check_settings(settings)
     if strategy is None:
         strategy = make_strategy(settings.cpu_replicas)
+    if settings.jit_compile:
+        check_jit_compile(device_kind(strategy), strategy.num_replicas_in_sync)
     tfds.disable_progress_bar()
     place = open_run_dir(settings)
     keras.utils.set_random_seed(settings.seed)
@@ -554,10 +559,11 @@ def make_fit_data(settings: TrainSettings, strategy, place: RunPlace, corpus: Co
     batch plan; returns what `model.fit` reads (`FitData`): the training batches (`training_batches`), the chief's
     count of them (`count_batches`) and the validation set (`validation_batches`)."""
     replicas = strategy.num_replicas_in_sync
-    train_ds, steps = training_batches(settings, strategy, place, corpus, vocabulary, plan)
+    resume = ResumePoint()
+    train_ds, steps = training_batches(settings, strategy, place, corpus, vocabulary, plan, resume)
     batch_contents = count_batches(settings, place, corpus, vocabulary, plan, replicas) if place.is_chief else None
     val_ds, val_bleu = validation_batches(settings, corpus, vocabulary, plan, replicas)
-    return FitData(train_ds, val_ds, steps, val_bleu, batch_contents)
+    return FitData(train_ds, val_ds, steps, val_bleu, batch_contents, resume)
 
 
 def _batch_args(settings: TrainSettings, plan: dict, replicas: int) -> dict:
@@ -574,17 +580,18 @@ def _copies(settings: TrainSettings) -> int:
     return 2 if settings.r_drop else 1
 
 
-def _stream_args(settings: TrainSettings, plan: dict, place: RunPlace) -> dict:
-    """`prepared_dataset`'s arguments: one replica's batches, from where a resumed run's backup stopped."""
+def _stream_args(settings: TrainSettings, plan: dict) -> dict:
+    """`prepared_dataset`'s arguments: one replica's batches, from the stream's start."""
     return dict(max_sentence_length=settings.max_sentence_length, tokens_per_replica=plan["tokens_per_replica"],
-                seed=settings.seed, start=ResumableBackup.saved_step(place.out_dir / "backup"),
-                pad_to_bucket_boundary=settings.jit_compile, copies=_copies(settings))
+                seed=settings.seed, pad_to_bucket_boundary=settings.jit_compile, copies=_copies(settings))
 
 
 def training_batches(settings: TrainSettings, strategy, place: RunPlace, corpus: Corpus, vocabulary: Vocabulary,
-                     plan: dict) -> tuple:
-    """Takes the run's settings, the strategy, the place, the corpus, the vocabulary and the batch plan; returns
-    (the training batches, Keras' steps per epoch or None for a pass over them) and says what they are read from."""
+                     plan: dict, resume: ResumePoint) -> tuple:
+    """Takes the run's settings, the strategy, the place, the corpus, the vocabulary, the batch plan and where the
+    run resumes (set once its backup is restored); returns (the training batches, Keras' steps per epoch or None
+    for a pass over them) and says what they are read from. A prepared corpus's batches start after the fit steps
+    `resume` holds: the batches every update restored trained on (the order of every epoch is the seed's alone)."""
     replicas = strategy.num_replicas_in_sync
     steps = settings.steps_per_epoch
     if settings.checkpoint_every:
@@ -597,7 +604,9 @@ def training_batches(settings: TrainSettings, strategy, place: RunPlace, corpus:
     if corpus.prepared is not None:
         prepared, worker, pipeline = corpus.prepared, corpus.worker, corpus.pipeline
         # One batch per replica: each of this worker's replicas takes the next one in turn.
-        worker_batches = worker_dataset_fn(prepared, worker, pipeline, **_stream_args(settings, plan, place))
+        local_replicas = replicas // place.num_workers
+        worker_batches = worker_dataset_fn(prepared, worker, pipeline, skip=lambda: resume.steps * local_replicas,
+                                           **_stream_args(settings, plan))
         train_ds = (strategy.distribute_datasets_from_function(worker_batches) if replicas > 1 or place.num_workers > 1
                     else worker_batches())
         one_pass = steps_per_epoch(prepared, max_sentence_length=settings.max_sentence_length,
@@ -628,7 +637,7 @@ def count_batches(settings: TrainSettings, place: RunPlace, corpus: Corpus, voca
     chief's)."""
     if corpus.prepared is not None:
         counted = prepared_dataset(corpus.prepared, corpus.worker,
-                                   **{**_stream_args(settings, plan, place), "copies": 1})
+                                   **{**_stream_args(settings, plan), "copies": 1})
     else:
         # A pipeline of its own, so that counting does not move the training pipeline's shuffling.
         counted = make_batches(corpus.pairs, vocabulary.tokenizer, shuffle=True, shuffle_buffer=settings.shuffle_buffer,
@@ -728,7 +737,9 @@ def make_callbacks(settings: TrainSettings, run: Run, data: FitData) -> RunCallb
     the resumable backup, the checkpoints, TensorBoard's logs, the NaN stop, history.csv, the ETA and the update
     and time budgets. A `ConfigError` for --max-minutes with more than one worker."""
     out_dir = run.place.out_dir
-    backup = ResumableBackup(out_dir / "backup", settings.backup_every or "epoch", num_workers=run.place.num_workers)
+    backup = ResumableBackup(out_dir / "backup", settings.backup_every or "epoch", num_workers=run.place.num_workers,
+                             steps_per_epoch=data.steps_per_epoch, batches_per_update=settings.grad_accum,
+                             resume_point=data.resume)
     # ValidationBLEU first: the callbacks after it (history.csv, TensorBoard) see its val_bleu.
     callbacks = [data.val_bleu] if data.val_bleu is not None else []
     callbacks += [
@@ -754,6 +765,8 @@ def make_callbacks(settings: TrainSettings, run: Run, data: FitData) -> RunCallb
             raise ConfigError("--max-minutes is not supported with more than one worker; set --epochs instead")
         budget = TimeBudget(settings.max_minutes)
         callbacks.append(budget)
+    # Last: a resumed run's first epoch ends after what was left of it, unless a callback above stops the run.
+    callbacks.append(backup.epoch_cut)
     return RunCallbacks(callbacks, backup, updates, budget)
 
 

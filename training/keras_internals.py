@@ -114,8 +114,49 @@ class BackupAndRestoreState(keras.callbacks.BackupAndRestore):
         self.model._initial_epoch = epoch
         return meta
 
+    def start_fit_at(self, epoch: int) -> None:
+        """The epoch (0-based) fit starts at, as `load_backup` sets it (Keras 3.15's private
+        `model._initial_epoch`, which fit reads after the callbacks' `on_train_begin`)."""
+        self.model._initial_epoch = epoch
+
     def save_backup(self):
         super()._save_model()
+
+
+class EpochCut(keras.callbacks.Callback):
+    """Ends the epoch fit is in once it has run a given number of batches, and lets fit go on to the next:
+    how a resumed run runs what was left of the epoch its backup was taken in.
+
+    Keras 3.15's fit starts every epoch at its first step, with no way to start one part-way through. But
+    `model.stop_training`, set in `on_train_batch_end`, ends the epoch's loop over batches (fit then validates
+    and calls `on_epoch_end`), and fit ends after `on_epoch_end` only if it is still set then; with
+    `steps_per_epoch`, fit's next epoch goes on reading the same dataset iterator. `cut_after(batches)` asks for
+    the current (or next) epoch to end after that many batches: this sets `stop_training` after them, unless a
+    callback before it in the list has set it (that stop stands: this goes last among fit's callbacks), and
+    `go_on()`, called from the `on_epoch_end` of a callback before any that stops fit at an epoch's end, sets it
+    back.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.batches = None  # the batches the epoch being cut runs, or None
+        self.stopped = False  # whether this set `stop_training`
+
+    def cut_after(self, batches: int) -> None:
+        if batches < 1:
+            raise ValueError(f"an epoch runs at least one batch, not {batches}")
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.batches is not None and batch + 1 >= self.batches:
+            self.batches = None
+            if not self.model.stop_training:
+                self.model.stop_training = self.stopped = True
+
+    def go_on(self) -> None:
+        """Lets fit go on to its next epoch if this ended the epoch (and nothing else asked fit to stop)."""
+        if self.stopped:
+            self.model.stop_training = self.stopped = False
 
 
 class UpdateBoundProgbar(keras.callbacks.ProgbarLogger):

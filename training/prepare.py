@@ -7,10 +7,19 @@
 Memory stays flat in the corpus size: the corpora are read as streams, a chunk
 of lines at a time; the vocabulary is trained on a uniform random sample of
 all their lines (`--vocab-sample`, sentencepiece's reservoir sampling, on all
-the machine's cores); every pair is tokenized once and dealt to a random shard
-(a file per shard, appended to), and each shard is then shuffled on its own,
-so that each shard, and any run of pairs read from one, is a uniform random
-sample of the whole. The format is `training/prepared_corpus.py`'s.
+the machine's cores); every pair is tokenized once and dealt at random to one
+of `--shards` scatter files (appended to), and each is then shuffled on
+its own into a shard, so that each shard, and any run of pairs read from one,
+is a uniform random sample of the whole. The format is
+`training/prepared_corpus.py`'s.
+
+A shard is built whole in memory (about 1 KB a pair) and kt-train pools at
+least one shard at a time, so no shard holds more than about
+`PAIRS_PER_SHARD` pairs: a corpus of more than `--shards` x `PAIRS_PER_SHARD`
+pairs is written in a multiple of `--shards` shards (`shard_count`), each
+scatter file dealt again, `PAIRS_PER_SHARD` pairs at a time, to that many
+random shards. Memory stays flat at any size (BENCHMARKS.md, "Corpora of
+millions of pairs"), and every shard is still a uniform random sample.
 
 Run again with the same command, a finished directory is left as it is; a
 killed one is prepared again from the start, keeping its vocabulary when that
@@ -52,6 +61,20 @@ from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chu
 VOCABULARY_RECORD = "vocabulary.json"  # the vocabulary's request, written after tokenizer.model: it is complete
 SCATTER_DIR = ".scatter"
 DEFAULT_SHARDS = 64
+# A shard's pairs, at most on average (the sampling's noise aside): kt-prepare builds a shard in memory, about 1 KB
+# a pair, and kt-train pools shards of about `prepared_corpus.POOL_PAIRS` pairs, at least one, so the bound keeps
+# both within a fixed memory whatever the corpus's size (a pool holds fewer than `POOL_PAIRS` + `PAIRS_PER_SHARD`
+# pairs). 64 shards hold up to 6.4M pairs.
+PAIRS_PER_SHARD = 100_000
+
+
+def shard_count(pairs: int, requested: int) -> int:
+    """The shards a corpus of `pairs` pairs is written in, with `--shards requested`: `requested`, or the least
+    multiple of it whose shards hold at most `PAIRS_PER_SHARD` pairs each on average (a multiple: shards that
+    divided among the workers still do)."""
+    if requested < 1:
+        raise ValueError(f"requested shards must be 1 or more, got {requested}")
+    return requested * max(1, -(-pairs // (requested * PAIRS_PER_SHARD)))
 
 
 def _corpus_request(corpus: dict) -> dict:
@@ -143,9 +166,29 @@ def _ids_array(pieces: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
     return ids, lengths
 
 
-def _scatter_paths(scatter: Path, shard: int) -> dict:
-    return {name: scatter / f"{shard:05d}.{name}" for name in ("source_ids", "source_lengths", "target_ids",
-                                                                "target_lengths")}
+def _scatter_paths(scatter: Path, name: str) -> dict:
+    return {array: scatter / f"{name}.{array}" for array in ("source_ids", "source_lengths", "target_ids",
+                                                             "target_lengths")}
+
+
+def _append_dealt(paths_of, dealt: np.ndarray, count: int, sides) -> None:
+    """Appends pair i of `sides` (source, then target: (ids, lengths)) to the scatter files `paths_of(dealt[i])`,
+    each file's pairs in their order in `sides`; `dealt`'s values are below `count`."""
+    order = np.argsort(dealt, kind="stable")
+    bounds = np.searchsorted(dealt[order], np.arange(count + 1))
+    offsets = [np.cumsum(lens, dtype=np.int64) - lens for _, lens in sides]
+    for k in range(count):
+        rows = order[bounds[k]:bounds[k + 1]]
+        if not len(rows):
+            continue
+        paths = paths_of(k)
+        for (ids, lens), off, side in zip(sides, offsets, ("source", "target")):
+            picked = lens[rows]
+            within = np.arange(int(picked.sum())) - np.repeat(np.cumsum(picked, dtype=np.int64) - picked, picked)
+            with open(paths[f"{side}_ids"], "ab") as f:
+                ids[np.repeat(off[rows], picked) + within].tofile(f)
+            with open(paths[f"{side}_lengths"], "ab") as f:
+                picked.tofile(f)
 
 
 def _deal(corpora, args, sp, dtype, scatter: Path, rng: np.random.Generator) -> list[dict]:
@@ -161,21 +204,8 @@ def _deal(corpora, args, sp, dtype, scatter: Path, rng: np.random.Generator) -> 
             s_ids, s_len = _ids_array(sp.encode(src, num_threads=threads), dtype)
             t_ids, t_len = _ids_array(sp.encode(tgt, num_threads=threads), dtype)
             shard = rng.integers(0, args.shards, len(s_len))
-            s_off, t_off = np.cumsum(s_len) - s_len, np.cumsum(t_len) - t_len
-            order = np.argsort(shard, kind="stable")
-            bounds = np.searchsorted(shard[order], np.arange(args.shards + 1))
-            for k in range(args.shards):
-                rows = order[bounds[k]:bounds[k + 1]]
-                if not len(rows):
-                    continue
-                paths = _scatter_paths(scatter, k)
-                for ids, off, lens, side in ((s_ids, s_off, s_len, "source"), (t_ids, t_off, t_len, "target")):
-                    picked = lens[rows]
-                    within = np.arange(int(picked.sum())) - np.repeat(np.cumsum(picked) - picked, picked)
-                    with open(paths[f"{side}_ids"], "ab") as f:
-                        ids[np.repeat(off[rows], picked) + within].tofile(f)
-                    with open(paths[f"{side}_lengths"], "ab") as f:
-                        picked.tofile(f)
+            _append_dealt(lambda k: _scatter_paths(scatter, f"{k:05d}"), shard, args.shards,
+                          ((s_ids, s_len), (t_ids, t_len)))
             done += len(s_len)
             if done % (50 * STREAM_CHUNK_LINES) < len(s_len):
                 _log(f"tokenized {done:,} pairs ({done / (time.time() - t0):,.0f} pairs/s)")
@@ -184,10 +214,33 @@ def _deal(corpora, args, sp, dtype, scatter: Path, rng: np.random.Generator) -> 
     return counted
 
 
-def _finish_shard(scatter: Path, out: Path, k: int, count: int, dtype, rng: np.random.Generator):
-    """Shuffles shard k's pairs and writes its .npz (renamed into place whole); returns its manifest entry and
-    its pairs' longer-side lengths."""
-    paths = _scatter_paths(scatter, k)
+def _split_scatter(scatter: Path, name: str, pieces: int, dtype, rng: np.random.Generator) -> list[dict]:
+    """Deals the pairs of scatter files `name` to `pieces` random scatter files (`name-J`), `PAIRS_PER_SHARD`
+    pairs at a time, and deletes them; returns the pieces' paths."""
+    paths = _scatter_paths(scatter, name)
+    split = [_scatter_paths(scatter, f"{name}-{j:05d}") for j in range(pieces)]
+    if paths["source_lengths"].exists():
+        with (open(paths["source_ids"], "rb") as s_ids, open(paths["source_lengths"], "rb") as s_lens,
+              open(paths["target_ids"], "rb") as t_ids, open(paths["target_lengths"], "rb") as t_lens):
+            while True:
+                s_len = np.fromfile(s_lens, np.int32, PAIRS_PER_SHARD)
+                if not len(s_len):
+                    break
+                t_len = np.fromfile(t_lens, np.int32, len(s_len))
+                sides = ((np.fromfile(s_ids, dtype, int(s_len.sum())), s_len),
+                         (np.fromfile(t_ids, dtype, int(t_len.sum())), t_len))
+                if len(t_len) != len(s_len) or any(len(ids) != lens.sum() for ids, lens in sides):
+                    raise DataError(f"{paths['source_lengths'].parent}: the scatter files {name}.* end early; "
+                                    f"run kt-prepare again")
+                _append_dealt(split.__getitem__, rng.integers(0, pieces, len(s_len)), pieces, sides)
+    for p in paths.values():
+        p.unlink(missing_ok=True)
+    return split
+
+
+def _finish_shard(paths: dict, out: Path, k: int, count: int, dtype, rng: np.random.Generator):
+    """Shuffles the pairs of the scatter files `paths` into shard k of `count` and writes its .npz (renamed into
+    place whole); returns its manifest entry and its pairs' longer-side lengths."""
     arrays = {}
     for side in ("source", "target"):
         lengths = (np.fromfile(paths[f"{side}_lengths"], np.int32) if paths[f"{side}_lengths"].exists()
@@ -265,12 +318,19 @@ def prepare(args) -> dict:
     t1 = time.time()
     counted = _deal(corpora, args, sp, dtype, scatter, rng)
     pairs = sum(c["pairs"] for c in counted)
-    _log(f"tokenized {pairs:,} pairs in {time.time() - t1:.0f} s; shuffling them into {args.shards} shards")
+    count = shard_count(pairs, args.shards)
+    split = count // args.shards
+    more = (f" (each of the {args.shards} dealt again to {split}: at most about {PAIRS_PER_SHARD:,} pairs a shard)"
+            if split > 1 else "")
+    _log(f"tokenized {pairs:,} pairs in {time.time() - t1:.0f} s; shuffling them into {count} shards{more}")
     shards, longest = [], []
     for k in range(args.shards):
-        entry, keys = _finish_shard(scatter, out, k, args.shards, dtype, rng)
-        shards.append(entry)
-        longest.append(np.bincount(keys) if len(keys) else np.zeros(1, np.int64))
+        name = f"{k:05d}"
+        pieces = _split_scatter(scatter, name, split, dtype, rng) if split > 1 else [_scatter_paths(scatter, name)]
+        for j, paths in enumerate(pieces):
+            entry, keys = _finish_shard(paths, out, k * split + j, count, dtype, rng)
+            shards.append(entry)
+            longest.append(np.bincount(keys) if len(keys) else np.zeros(1, np.int64))
     histogram = np.zeros(max(len(h) for h in longest), np.int64)
     for h in longest:
         histogram[: len(h)] += h
@@ -291,13 +351,14 @@ def prepare(args) -> dict:
         "source_tokens": sum(s["source_tokens"] for s in shards),
         "target_tokens": sum(s["target_tokens"] for s in shards),
         "shards": shards,
+        "pairs_per_shard_limit": PAIRS_PER_SHARD,  # `shard_count`'s, when the corpus was prepared
         # [i]: the pairs whose longer side, with its start or end id, is i tokens (kt-train's epoch length).
         "length_histogram": histogram.tolist(),
         "seconds": round(time.time() - t0, 1),
     }
     write_json_atomically(manifest_path, manifest)
     _log(f"{out}: {pairs:,} pairs ({manifest['source_tokens']:,} + {manifest['target_tokens']:,} tokens) in "
-         f"{args.shards} shards, written in {time.time() - t0:.0f} s")
+         f"{count} shards, written in {time.time() - t0:.0f} s")
     return manifest
 
 
@@ -332,9 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     # The vocabulary's settings are kt-train's (training.config.TrainSettings): the same flags, help and defaults.
     add_setting_flags(p, ("vocab_size", "vocab_type", "vocab_sample", "lowercase"), with_defaults=True)
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
-                   help=f"token-id shards to write (default {DEFAULT_SHARDS}); at least the number of workers "
-                   "that will train on them, several each; a worker holds one shard, or a pool of "
-                   "small ones, at a time")
+                   help=f"token-id shards to write, at least (default {DEFAULT_SHARDS}): a corpus of more than "
+                   f"SHARDS x {PAIRS_PER_SHARD:,} pairs is written in the least multiple of SHARDS whose shards "
+                   f"hold at most about {PAIRS_PER_SHARD:,} pairs each, so that preparing and training take the "
+                   "same memory at any size; at least the number of workers that will train on them, several "
+                   "each, a multiple of it to give each worker its own shards only")
     p.add_argument("--no-alignment-check", dest="check_alignment", action="store_false",
                    help="prepare --train-files even where their pairs look shifted by a line")
     p.add_argument("--seed", type=int, default=default("seed"),

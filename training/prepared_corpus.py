@@ -5,9 +5,14 @@ A prepared directory holds:
 - `tokenizer.model`: the sentencepiece vocabulary the ids are in;
 - `shard-NNNNN-of-MMMMM.npz`: token-id shards, each a uniform random sample of
   all the corpora's pairs (kt-prepare deals every pair to a random shard, then
-  shuffles each shard), holding `source_ids`/`target_ids` (the pieces, no
-  start or end id, concatenated; uint16 for vocabularies up to 65,536 pieces)
-  and `source_lengths`/`target_lengths` (pieces per pair, int32);
+  shuffles each shard), of at most about 100,000 pairs each
+  (`training.prepare.PAIRS_PER_SHARD`: a larger corpus gets more shards, so
+  that a pool below holds at most that many more than `POOL_PAIRS` whatever
+  the corpus's size; directories prepared before the bound, past 6.4M pairs in
+  64 shards, have larger shards and still load), holding
+  `source_ids`/`target_ids` (the pieces, no start or end id, concatenated;
+  uint16 for vocabularies up to 65,536 pieces) and
+  `source_lengths`/`target_lengths` (pieces per pair, int32);
 - `manifest.json`, written last and atomically, once the shards and the
   vocabulary are on the disk (fsynced): the corpora read and their counts,
   each shard's pairs, tokens, bytes, SHA-256 and shortest pair, the
@@ -23,7 +28,9 @@ about `POOL_PAIRS` pairs at a time, groups them by length bucket (the buckets
 and budgets of `training.pipeline`), cuts each bucket into batches of its
 size, and yields the pool's batches in a random order. The stream never ends:
 kt-train's epoch is the corpus's batch count from the manifest
-(`steps_per_epoch`), the same on every worker. A pass over a worker's shards
+(`steps_per_epoch`), the same on every worker. Each epoch's order is drawn from the seed and the epoch's
+number alone, and a resumed run's stream skips the batches its restored updates trained on, so it goes on
+with the batches of a run never interrupted. A pass over a worker's shards
 that yields no batch (every pair over the length limit, or no pair at all)
 is an error, not an endless reload.
 
@@ -406,40 +413,80 @@ def pool_batches(pool: _Pool, rng: np.random.Generator, *, max_sentence_length: 
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+def _pools(corpus: PreparedCorpus, order: list[ShardPart], pool_pairs: int) -> list[list[ShardPart]]:
+    """`order`'s parts, in that order, cut into pools of about `pool_pairs` pairs (each pool closed once it
+    holds `pool_pairs` or more; the last may hold fewer). The manifest's counts tell: no shard is read."""
+    pools, pool, pairs = [], [], 0
+    for part in order:
+        pool.append(part)
+        pairs += len(range(part.first, corpus.shards[part.shard]["pairs"], part.step))
+        if pairs >= pool_pairs:
+            pools.append(pool)
+            pool, pairs = [], 0
+    return pools + [pool] if pool else pools
+
+
+def _bucket_counts(corpus: PreparedCorpus, part: ShardPart, max_sentence_length: int,
+                   tokens_per_replica: int) -> np.ndarray:
+    """The pairs of `part` a batch takes (read by this part, within `max_sentence_length`), per length bucket
+    (`bucket_plan`'s): what `pool_batches` makes of them, from the shard's lengths alone."""
+    bounds, sizes, _ = bucket_plan(max_sentence_length, tokens_per_replica)
+    corpus.check_sha256(part.shard)
+    with np.load(corpus.directory / corpus.shards[part.shard]["file"]) as z:
+        keys = np.maximum(z["source_lengths"], z["target_lengths"]).astype(np.int64)[part.first::part.step] + 1
+    keys = keys[keys <= max_sentence_length]
+    return np.bincount(np.searchsorted(bounds, keys, side="right"), minlength=len(sizes))
+
+
 def stream_batches(corpus: PreparedCorpus, shards: list, *, max_sentence_length: int,
-                   tokens_per_replica: int, seed: int, start: int = 0, pad_to_bucket_boundary: bool = False,
+                   tokens_per_replica: int, seed: int, skip: int = 0, pad_to_bucket_boundary: bool = False,
                    copies: int = 1,
                    pool_pairs: int = POOL_PAIRS, epochs: int | None = None):
     """Yields `((source, target_in), target_out)` numpy batches from `shards` (shard indices, read whole, or
     `ShardPart`s, `worker_shards`'), epoch after epoch (or `epochs`), each epoch in a new order drawn from
-    `seed` and `start` (kt-train's: the update a run resumes from, so that a resumed run does not see its
-    first epochs' order again). A pass over `shards` that yields no batch raises a `DataError` naming them and
-    the length limit: the stream would otherwise read them again and again, forever, without a batch."""
+    `seed` and the epoch's number alone. `skip`: batches not yielded at the stream's start (kt-train's: those
+    the updates a run resumes from trained on), so that a resumed run goes on with the very batches an
+    uninterrupted one would; whole pools of them are passed over without reading their pairs (each shard's
+    lengths tell how many batches a pool makes). A pass over `shards` that yields no batch raises a
+    `DataError` naming them and the length limit: the stream would otherwise read them again and again,
+    forever, without a batch."""
     parts = [s if isinstance(s, ShardPart) else ShardPart(int(s)) for s in shards]
     if not parts:
         raise DataError("no shards to stream batches from")
-    _, _, widths = bucket_plan(max_sentence_length, tokens_per_replica, pad_to_bucket_boundary)
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    _, sizes, widths = bucket_plan(max_sentence_length, tokens_per_replica, pad_to_bucket_boundary)
+    counts = {}  # each part's `_bucket_counts`, read once the stream skips
     epoch = 0
     while epochs is None or epoch < epochs:
-        rng = np.random.default_rng([seed, start, epoch])
+        rng = np.random.default_rng([seed, epoch])
         order = [parts[i] for i in rng.permutation(len(parts))]
         batches, read, shortest = 0, 0, None
-        while order:
-            loaded, pooled, pairs = [], [], 0
-            while order and pairs < pool_pairs:
-                part = order.pop(0)
-                loaded.append(corpus.load_shard(part.shard))
-                pooled.append(part)
-                n = len(loaded[-1]["source_lengths"])
-                pairs += len(range(part.first, n, part.step))
-            pool = _Pool(loaded, pooled)
-            del loaded
+        for pooled in _pools(corpus, order, pool_pairs):
+            if skip:
+                for part in pooled:
+                    if part not in counts:
+                        counts[part] = _bucket_counts(corpus, part, max_sentence_length, tokens_per_replica)
+                per_bucket = sum(counts[part] for part in pooled)
+                planned = int(np.ceil(per_bucket / sizes).sum())
+                if 0 < planned <= skip:
+                    # The draws `pool_batches` makes (the pairs' order, the batches' order): what follows is
+                    # drawn as in a stream that built these batches.
+                    rng.permutation(int(per_bucket.sum()))
+                    rng.permutation(planned)
+                    skip -= planned
+                    batches += planned
+                    continue
+            pool = _Pool([corpus.load_shard(part.shard) for part in pooled], pooled)
             keys = pool.keys()
             read += len(keys)
             if len(keys):
                 shortest = int(keys.min()) if shortest is None else min(shortest, int(keys.min()))
-            for bucket, rows in pool_batches(pool, rng, max_sentence_length=max_sentence_length,
-                                             tokens_per_replica=tokens_per_replica):
+            planned = pool_batches(pool, rng, max_sentence_length=max_sentence_length,
+                                   tokens_per_replica=tokens_per_replica)
+            batches += min(skip, len(planned))
+            planned, skip = planned[skip:], max(0, skip - len(planned))
+            for bucket, rows in planned:
                 batches += 1
                 yield make_batch(pool, rows, widths[bucket] if widths else None, copies)
         if not batches:
@@ -455,10 +502,17 @@ BATCH_SIGNATURE = ((tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, 
                    tf.TensorSpec([None, None], tf.int32))
 
 
-def prepared_dataset(corpus: PreparedCorpus, shards: list, **kwargs) -> tf.data.Dataset:
-    """`stream_batches` as a `tf.data.Dataset` (prefetched: the batches are built while the model trains)."""
-    ds = tf.data.Dataset.from_generator(lambda: stream_batches(corpus, shards, **kwargs),
-                                        output_signature=BATCH_SIGNATURE)
+def prepared_dataset(corpus: PreparedCorpus, shards: list, *, skip: int | Callable[[], int] = 0,
+                     **kwargs) -> tf.data.Dataset:
+    """`stream_batches` as a `tf.data.Dataset` (prefetched: the batches are built while the model trains).
+    `skip`: `stream_batches`', or a function giving it, asked each time an iterator starts the stream (kt-train's
+    gives the batches of the updates the run restored from its backup, which Keras restores after the dataset
+    is made)."""
+
+    def stream():
+        return stream_batches(corpus, shards, skip=skip() if callable(skip) else skip, **kwargs)
+
+    ds = tf.data.Dataset.from_generator(stream, output_signature=BATCH_SIGNATURE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.autotune.enabled = False  # as training.pipeline.make_batches: no autotuning thread

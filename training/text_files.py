@@ -133,25 +133,62 @@ def check_alignment(source: list[str], target: list[str], source_path, target_pa
 
 
 def check_alignment_of_lengths(source_lengths, target_lengths, source_path, target_path) -> None:
-    """`check_alignment` on the lines' lengths in characters (what it reads of them), for a streamed corpus."""
-    n = len(source_lengths)
-    if n < ALIGNMENT_MIN_LINES:
-        return
-    src = np.log1p(np.asarray(source_lengths, np.float64))
-    tgt = np.log1p(np.asarray(target_lengths, np.float64))
-    size = min(ALIGNMENT_WINDOW, n)
-    for start in range(0, n - size // 2, size):
-        end = min(start + size, n)
-        s, t = src[start:end], tgt[start:end]
+    """`check_alignment` on the lines' lengths in characters (what it reads of them)."""
+    check = AlignmentCheck(source_path, target_path)
+    check.add(source_lengths, target_lengths)
+    check.finish()
+
+
+class AlignmentCheck:
+    """`check_alignment` on a stream of lines' lengths in characters, `add`ed a chunk at a time, in memory bounded
+    by two windows and a chunk whatever the corpus's size: each window is checked once its lines are all in, the
+    last (and the only one of a corpus under `ALIGNMENT_WINDOW` lines) by `finish`, which raises the first
+    window's error, as `check_alignment` would on the whole."""
+
+    def __init__(self, source_path, target_path):
+        self.paths = (source_path, target_path)
+        self.src = self.tgt = np.zeros(0, np.float64)  # log1p of the lengths of lines `base` on
+        self.base = 0  # lines before the buffer (the windows before the current one's previous are dropped)
+        self.start = 0  # the first line of the next window to check
+        self.lines = 0
+        self.error: DataError | None = None
+
+    def add(self, source_lengths, target_lengths) -> None:
+        self.lines += len(source_lengths)
+        if self.error is not None:  # the first shift found is the one raised: nothing more to keep
+            return
+        self.src = np.concatenate([self.src, np.log1p(np.asarray(source_lengths, np.float64))])
+        self.tgt = np.concatenate([self.tgt, np.log1p(np.asarray(target_lengths, np.float64))])
+        while self.error is None and self.start + ALIGNMENT_WINDOW <= self.lines:
+            self._window(self.start, self.start + ALIGNMENT_WINDOW, ALIGNMENT_WINDOW)
+            self.start += ALIGNMENT_WINDOW
+            drop = max(0, self.start - ALIGNMENT_WINDOW) - self.base  # keep the window before the next
+            self.src, self.tgt, self.base = self.src[drop:], self.tgt[drop:], self.base + drop
+
+    def finish(self) -> None:
+        n = self.lines
+        if n < ALIGNMENT_MIN_LINES:
+            return
+        size = min(ALIGNMENT_WINDOW, n)
+        if self.error is None and self.start < n - size // 2:
+            self._window(self.start, n, size)
+        if self.error is not None:
+            raise self.error
+
+    def _window(self, start: int, end: int, size: int) -> None:
+        """Checks lines [start, end) (a window of `size`), keeping the error if they look shifted."""
+        src, tgt = self.src, self.tgt
+        s, t = src[start - self.base:end - self.base], tgt[start - self.base:end - self.base]
         given = _correlation(s, t)
         later = _correlation(s[:-1], t[1:])  # source line i against target line i + 1
         earlier = _correlation(s[1:], t[:-1])  # source line i + 1 against target line i
         shifted = max(later, earlier)
         if shifted >= ALIGNMENT_MIN_CORRELATION and shifted > given + ALIGNMENT_MARGIN:
             offset = 1 if later >= earlier else -1
-            first = _shift_start(src, tgt, max(0, start - size), end, offset)
+            first = self.base + _shift_start(src, tgt, max(0, start - size) - self.base, end - self.base, offset)
             which = "source line i matches target line i + 1" if offset == 1 else "source line i + 1 matches target line i"
-            raise DataError(
+            source_path, target_path = self.paths
+            self.error = DataError(
                 f"{source_path} / {target_path}: the pairs look shifted by one line from about line {first} on "
                 f"(in lines {start + 1}-{end}, {which}: their lengths correlate {shifted:.2f}, against "
                 f"{given:.2f} as given); a line was probably lost in one file there. Fix the files, or pass "
@@ -283,16 +320,17 @@ def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
     """`read_parallel_files` as a stream: yields `(source_lines, target_lines)` chunks of the non-empty pairs.
 
     The same errors (a line-count mismatch once the shorter file ends, with both
-    counts; the shift check of `check_alignment` once both have ended, on the
-    lines' lengths, which are all it keeps: 8 bytes a pair). `stats`, if given,
-    is filled in as the files are read.
+    counts; the shift check of `check_alignment`, raised once both have ended,
+    on the lines' lengths, checked a window at a time as they are read,
+    `AlignmentCheck`: its memory does not grow with the files). `stats`, if
+    given, is filled in as the files are read.
     """
     source_path, target_path = Path(source_path), Path(target_path)
     for p in (source_path, target_path):
         if not p.is_file():
             raise DataNotFoundError(f"Parallel text file not found: {p}")
     stats = stats if stats is not None else ReadStats()
-    lengths = ([], [])
+    alignment = AlignmentCheck(source_path, target_path) if check_shift else None
     sources, targets = iter_text_chunks(source_path, chunk_lines), iter_text_chunks(target_path, chunk_lines)
     for src in sources:
         tgt = next(targets, [])
@@ -302,9 +340,9 @@ def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
             raise LineCountMismatchError(
                 f"Line counts differ: {source_path} has {n_src} lines but {target_path} has {n_tgt} lines. The "
                 f"two files must be line-aligned translations.")
-        if check_shift:
-            lengths[0].append(np.fromiter((len(s) for s in src), np.int32, len(src)))
-            lengths[1].append(np.fromiter((len(t) for t in tgt), np.int32, len(tgt)))
+        if alignment is not None:
+            alignment.add(np.fromiter((len(s) for s in src), np.int32, len(src)),
+                          np.fromiter((len(t) for t in tgt), np.int32, len(tgt)))
         out_src, out_tgt = _drop_empty_pairs(src, tgt, stats, first_line=stats.lines + 1)
         stats.lines += len(src)
         stats.kept += len(out_src)
@@ -315,6 +353,6 @@ def iter_parallel_chunks(source_path, target_path, *, check_shift: bool = True,
         raise LineCountMismatchError(
             f"Line counts differ: {source_path} has {stats.lines} lines but {target_path} has {stats.lines + rest} "
             f"lines. The two files must be line-aligned translations.")
-    if check_shift and lengths[0]:
-        check_alignment_of_lengths(np.concatenate(lengths[0]), np.concatenate(lengths[1]), source_path, target_path)
+    if alignment is not None:
+        alignment.finish()
     _report_empty_pairs(stats, source_path, target_path)
