@@ -119,6 +119,8 @@ EXPORT ?= exports/$(notdir $(RUN))
 # More kt-train flags, after the config's settings, e.g. TRAIN_FLAGS="--tokens-per-replica 3125 --grad-accum 8"
 # (the paper's 25,000 tokens per update on one GPU).
 TRAIN_FLAGS ?=
+# More kt-prepare flags for TRAIN, after the config's settings, e.g. PREPARE_FLAGS="--vocab-size 8000".
+PREPARE_FLAGS ?=
 AVG ?=
 BEAM ?=
 LENGTH_PENALTY ?= $(ALPHA)
@@ -130,7 +132,7 @@ train: venv
 		echo "make train: $(RUN)/model.keras exists, so its training is done (delete it, or set RUN, to train again)"; \
 	else \
 		$(if $(TRAIN),$(PY) -m training.prepare --config $(CONFIG) $(TRAIN_PAIRS) $(if $(VALID),--valid-files $(VALID)) \
-			--source-lang $(SRC) --target-lang $(TGT) --out $(PREPARED) &&) \
+			--source-lang $(SRC) --target-lang $(TGT) --out $(PREPARED)$(if $(PREPARE_FLAGS), $(PREPARE_FLAGS)) &&) \
 		$(PY) -m training.train --config $(CONFIG) --source-lang $(SRC) --target-lang $(TGT) --model-dir $(RUN) \
 			$(if $(PREPARED),--prepared $(PREPARED)) $(if $(VALID),--valid-files $(VALID))$(if $(TRAIN_FLAGS), $(TRAIN_FLAGS)); \
 	fi

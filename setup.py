@@ -54,6 +54,7 @@ setup(
             "kt-average-checkpoints=training.average_checkpoints:main",
             "kt-export=export.export_model:main",
             "kt-translate=export.translate:main",
+            "kt-treebank=training.trees:main",
         ]
     },
 )

@@ -44,6 +44,7 @@ from export.graph_ops import registered_ops, saved_model_ops, unservable_ops  # 
 from export.request_batching import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TIMEOUT_MICROS, RequestBatching  # noqa: E402
 from export.translator import GREEDY_SIGNATURE, PRECISIONS, TEXT_SIGNATURE, Translator  # noqa: E402
 from export.translator import decode_loops, decode_policy  # noqa: E402
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
 from keras_transformer.renamed import renamed_arguments  # noqa: E402
 from common.run_dir import (DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, add_renamed_flags, read_config_or_exit,  # noqa: E402
                             recorded_setting, take_renamed_flags)
@@ -84,10 +85,10 @@ def write_warmup_requests(saved_model_dir, model_name, batches=WARMUP_BATCHES) -
 @renamed_arguments(alpha="length_penalty")
 def export(model_dir, export_dir, *, name="translator", version=None, model_file=None, beam_size=4, length_penalty=0.6,
            use_cache=True, check_ops=True, precision="auto", xla_max_batch=0, parallel_loops="auto",
-           no_repeat_ngram_size=0, request_batching=RequestBatching()) -> Path:
+           no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH, request_batching=RequestBatching()) -> Path:
     """Writes the SavedModel; returns EXPORT_DIR/NAME/VERSION. `length_penalty`: the length penalty's exponent
     alpha (Wu et al., 2016; kt-export's --length-penalty; `alpha=` is its old name); `parallel_loops`: see
-    `decode_loops`; `no_repeat_ngram_size`: see `Translator`; `request_batching`: how the decoding signatures
+    `decode_loops`; `no_repeat_ngram_size`, `extra_output_length`: see `Translator`; `request_batching`: how the decoding signatures
     merge concurrent requests (a `RequestBatching`; None: each request decodes on its own)."""
     base = Path(export_dir) / name
     base.mkdir(parents=True, exist_ok=True)
@@ -98,6 +99,7 @@ def export(model_dir, export_dir, *, name="translator", version=None, model_file
     translator = Translator.from_model_dir(model_dir, model_file=model_file, beam_size=beam_size, length_penalty=length_penalty,
                                            use_cache=use_cache, precision=precision, xla_max_batch=xla_max_batch,
                                            parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size,
+                                           extra_output_length=extra_output_length,
                                            request_batching=request_batching)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base))  # not an integer: TF Serving ignores it
     try:
@@ -152,6 +154,9 @@ def build_parser():
     p.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
                    help="N > 0: no translation of any signature repeats an N-gram of pieces, against outputs that "
                         "loop (as the library's searches' no_repeat_ngram_size). Default 0: no ban")
+    p.add_argument("--extra-output-length", type=int, metavar="N",
+                   help="a translation has at most its source's length + N pieces (default: the one kt-train "
+                        f"--extra-output-length recorded in config.json, else {EXTRA_OUTPUT_LENGTH})")
     p.add_argument("--max-request-batch", type=int, default=DEFAULT_MAX_BATCH_SIZE, metavar="N",
                    help="every decoding signature merges the requests that arrive while it decodes into batches of "
                         f"up to N sentences, in the graph (docs/serving.md, \"Under load\"); a larger request "
@@ -188,6 +193,10 @@ def main(argv=None) -> int:
     config = read_config_or_exit(args.model_dir, "kt-export")
     args.beam_size = recorded_setting(config, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.length_penalty = recorded_setting(config, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
+    args.extra_output_length = recorded_setting(config, "extra_output_length", args.extra_output_length,
+                                                EXTRA_OUTPUT_LENGTH)
+    if args.extra_output_length < 0:
+        parser.error(f"--extra-output-length must be >= 0, got {args.extra_output_length}")
     t0 = time.time()
     policy, reason = decode_policy(args.precision)
     print(f"kt-export: decoding in {policy or 'the model policy'}: {reason}.", flush=True)
@@ -200,11 +209,13 @@ def main(argv=None) -> int:
                       model_file=args.model_file, beam_size=args.beam_size, length_penalty=args.length_penalty,
                       use_cache=args.use_cache, check_ops=args.check_ops, precision=args.precision,
                       xla_max_batch=args.xla_max_batch, parallel_loops=loops,
-                      no_repeat_ngram_size=args.no_repeat_ngram_size, request_batching=batching)
+                      no_repeat_ngram_size=args.no_repeat_ngram_size, extra_output_length=args.extra_output_length,
+                      request_batching=batching)
     except (FileNotFoundError, FileExistsError) as e:
         print(f"kt-export: error: {e}", file=sys.stderr)
         return 2
     print(f"Exported {path} in {time.time() - t0:.1f}s (beam {args.beam_size}, length penalty {args.length_penalty}, "
+          f"output at most source + {args.extra_output_length} pieces, "
           f"{'cached' if args.use_cache else 'uncached'} decoding). Serve it with:\n"
           f"  tensorflow_model_server --rest_api_port=8501 --port=8500 --model_name={args.name} "
           f"--model_base_path={path.parent.resolve()}"

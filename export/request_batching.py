@@ -29,6 +29,8 @@ import uuid
 
 import tensorflow as tf
 
+from export.search import graph_function
+
 # The defaults kt-export uses (docs/serving.md, "Under load"): at batch 64 the export decodes several times
 # the sentences a second it does at batch 1, and a larger batch gains little more on a CPU.
 DEFAULT_MAX_BATCH_SIZE = 64
@@ -88,7 +90,7 @@ def batched(fn, input_signature, batching: RequestBatching | None, name: str):
     """
     if batching is None:
         return fn
-    computation = tf.function(fn).get_concrete_function(*input_signature)
+    computation = graph_function(fn).get_concrete_function(*input_signature)
     shared_name = f"{name}_{uuid.uuid4().hex}"
     output_dtypes = [t.dtype for t in computation.outputs]
 

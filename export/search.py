@@ -62,12 +62,21 @@ class GraphSearchOps(SearchOps):
 GRAPH_OPS = GraphSearchOps()
 
 
+def graph_function(fn, **kwargs):
+    """`tf.function` without AutoGraph, for the engine's searches and the export's signatures. Their loops are
+    `tf.while_loop`s and their branches `tf.cond`s (the library's strategies run under `jax.jit` too, where
+    Python control flow on tensors cannot be), so AutoGraph's conversion of the Python functions a search
+    calls changes no graph and was most of the time of tracing one."""
+    return tf.function(fn, autograph=False, **kwargs)
+
+
 # ------------------------------------------------------------------ greedy decoding
 
 
 @renamed_search_arguments
 def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, length_penalty=0.6, prefix_ids=None,
-                         no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False, sampling=None):
+                         no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH, *, use_cache=True,
+                         fixed_shapes=False, sampling=None):
     """`keras_transformer.greedy_decode`'s tokens and scores on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Greedy`) chooses each token; rows that end
@@ -88,7 +97,8 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=
     if sampling is not None and prefix_ids is not None:
         raise ValueError("Sampling takes no target prefix (pass sampling or prefix_ids, not both)")
     check_shapes(fixed_shapes)
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, extra_output_length,
+                                                          fixed_shapes)
     strategy = Greedy(end_id, no_repeat_ngram_size=no_repeat_ngram_size, search_ops=GRAPH_OPS)
     cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0) if use_cache else {}
     state = strategy.start(tf.shape(encoder_output)[0], steps, start_id, cache, limits=limits,
@@ -110,7 +120,8 @@ def engine_greedy_decode(model, source_ids, start_id, end_id, max_output_length=
 
 @renamed_search_arguments
 def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty=0.6, max_output_length=None,
-                       n_best=None, prefix_ids=None, no_repeat_ngram_size=0, *, use_cache=True, fixed_shapes=False):
+                       n_best=None, prefix_ids=None, no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH, *,
+                       use_cache=True, fixed_shapes=False):
     """`keras_transformer.beam_search`'s hypotheses, scores and early stop on the engine's step and loop.
 
     The library's strategy (`keras_transformer.strategies.Beam`) keeps the hypotheses; each sentence's k
@@ -124,11 +135,12 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, length_
         beam_size: hypotheses kept per sentence (4 in the paper).
         length_penalty: the length penalty's exponent alpha (Wu et al., 2016; 0.6 in the paper); `alpha=` is its
             old name.
-        max_output_length: most output tokens; by default source length + 50. `max_length=` is its old
-            name, still accepted (with a `DeprecationWarning`).
+        max_output_length: most output tokens; by default source length + `extra_output_length`.
+            `max_length=` is its old name, still accepted (with a `DeprecationWarning`).
         n_best: None, or the n (1 to `beam_size`) best different finished hypotheses, as the library's.
         prefix_ids: None, or int32 `[batch, p]`, the tokens each output begins with, as the library's.
         no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram, as the library's.
+        extra_output_length: the output's room beyond the source's length (50), as the library's.
         use_cache: keyword-only; False recomputes the whole prefix every step (same result, slower; the
             reference of `--no-cache` exports).
         fixed_shapes: keyword-only; see `check_shapes`.
@@ -147,7 +159,8 @@ def engine_beam_search(model, source_ids, start_id, end_id, beam_size=4, length_
         raise ValueError(f"n_best must be from 1 to beam_size ({k}), got {n_best}")
     check_options(prefix_ids, no_repeat_ngram_size)
     check_shapes(fixed_shapes)
-    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, fixed_shapes)
+    encoder_output, source_mask, limits, steps = _prepare(model, source_ids, max_output_length, extra_output_length,
+                                                          fixed_shapes)
     # Every hypothesis gets a row of the self-attention cache: [batch * (k + 1), ...], sentence-major.
     # The cross-attention cache stays one per sentence: a sentence's rows attend to it together.
     cache = model.init_decoding_cache(encoder_output, steps if fixed_shapes else 0,
@@ -256,7 +269,7 @@ def check_shapes(fixed_shapes):
                          "(XLA needs every shape fixed; the default, growing shapes, is the graph TF Serving runs)")
 
 
-def _prepare(model, source_ids, max_output_length, fixed_shapes):
+def _prepare(model, source_ids, max_output_length, extra_output_length, fixed_shapes):
     """The library's `prepare` (encoder output, padding mask, per-sentence output limits `[batch]`), and the
     loop's most steps: with `fixed_shapes`, the library's bound from the source's padded length, which XLA
     knows when it compiles for this input shape (buffers sized by the batch's largest limit, read from the
@@ -264,7 +277,7 @@ def _prepare(model, source_ids, max_output_length, fixed_shapes):
     the batch's largest limit."""
     if not model.built:  # a model never called: decoding may be the first thing it does
         model.build()
-    prepared = prepare(model, source_ids, max_output_length)
+    prepared = prepare(model, source_ids, max_output_length, extra_output_length)
     steps = prepared.steps if fixed_shapes else tf.reduce_max(tf.concat([prepared.limits, [1]], axis=0))
     return prepared.encoder_output, prepared.source_mask, prepared.limits, steps
 
@@ -395,7 +408,7 @@ def parallel_decode(search, source_ids, num_loops, *row_inputs):
         return search(source_ids, *row_inputs)
     # One traced search that every loop calls: the graph, and a SavedModel, hold it once rather than once per
     # loop, which shortens tracing, saving and loading; the executor still runs the loops' calls at once.
-    search = tf.function(search)
+    search = graph_function(search)
     source_ids = tf.convert_to_tensor(source_ids)
     batch_size = tf.shape(source_ids)[0]
     # A loop past the batch's last row gets none (Range rejects a start past its limit).

@@ -103,7 +103,8 @@ from common.run_dir import load_model_dir, max_source_length, tokenizer_path
 from common.tokenizer import decode_output, source_from_pieces
 from export.engine_weights import engine_model
 from export.request_batching import RequestBatching, batched, used_width
-from export.search import engine_beam_search, engine_greedy_decode, parallel_decode
+from export.search import engine_beam_search, engine_greedy_decode, graph_function, parallel_decode
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH, check_extra_output_length
 from keras_transformer.strategies import Sampling, check_options
 from keras_transformer.hardware import native_bf16_flags
 from keras_transformer.renamed import renamed_arguments
@@ -214,6 +215,11 @@ class Translator(tf.Module):
         no_repeat_ngram_size: n > 0: no output of any signature gets an
             n-gram (n consecutive pieces) twice, as the library's searches'
             `no_repeat_ngram_size`; 0 (default): no ban.
+        extra_output_length: an output of any signature has at most its
+            source's length (in pieces, the end id included) + this many
+            pieces, as the library's searches' `extra_output_length`
+            (`EXTRA_OUTPUT_LENGTH`, 50, by default; 300 for the paper's
+            parsing).
         request_batching: a `RequestBatching`: every decoding signature merges
             concurrent calls into one batch (export/request_batching.py;
             kt-export's default); None: each call decodes on its own.
@@ -240,7 +246,7 @@ class Translator(tf.Module):
     @renamed_arguments(alpha="length_penalty")
     def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, length_penalty=0.6, use_cache=True,
                  tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
-                 request_batching=None, name="translator"):
+                 extra_output_length=EXTRA_OUTPUT_LENGTH, request_batching=None, name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -248,6 +254,8 @@ class Translator(tf.Module):
             raise ValueError(f"xla_max_batch must be >= 0 (0: no XLA), got {xla_max_batch}")
         check_options(no_repeat_ngram_size=no_repeat_ngram_size)
         self.no_repeat_ngram_size = no_repeat_ngram_size
+        check_extra_output_length(extra_output_length)
+        self.extra_output_length = extra_output_length
         parallel_loops, _ = decode_loops(parallel_loops)  # names a bad count before anything is traced
         if max_source_length is not None and max_source_length < 2:
             raise ValueError(f"max_source_length must be >= 2 (one piece and the end id), got {max_source_length}")
@@ -264,14 +272,14 @@ class Translator(tf.Module):
         if self.xla_max_batch:
             xla_model = model if xla_model is None else xla_model
             # XLA is decided here, so here the searches are told to keep every shape fixed.
-            self._xla_beam = tf.function(lambda source: self._search(source, xla_model, fixed_shapes=True),
+            self._xla_beam = graph_function(lambda source: self._search(source, xla_model, fixed_shapes=True),
                                          jit_compile=True)
-            self._xla_greedy = tf.function(
+            self._xla_greedy = graph_function(
                 lambda source: self._search(source, xla_model, greedy=True, fixed_shapes=True), jit_compile=True)
 
         # One traced beam search of source ids, called by serving_default, align and translate_ids: the
         # SavedModel holds its graph once, not once per signature (n_best, prefix and the XLA program differ).
-        self._beam = tf.function(lambda source: self._search(source),
+        self._beam = graph_function(lambda source: self._search(source),
                                  input_signature=[tf.TensorSpec([None, None], tf.int32)])
 
         # Every decoding signature's work, `fn(*inputs) -> outputs` row by row, merged with concurrent calls
@@ -299,34 +307,31 @@ class Translator(tf.Module):
         self._merged_aligned = merged(self._translate_aligned_rows, text_spec, ALIGN_SIGNATURE)
         self._merged_ids = merged(self._translate_source_rows, [tf.TensorSpec([None, self.max_source_length],
                                                                               tf.int32)], IDS_SIGNATURE, ids_batching)
-        self.translate = tf.function(merged(self._translate_beam, text_spec, TEXT_SIGNATURE),
+        self.translate = graph_function(merged(self._translate_beam, text_spec, TEXT_SIGNATURE),
                                      input_signature=text_spec)
-        self.translate_greedy = tf.function(merged(self._translate_greedy, text_spec, GREEDY_SIGNATURE),
+        self.translate_greedy = graph_function(merged(self._translate_greedy, text_spec, GREEDY_SIGNATURE),
                                             input_signature=text_spec)
-        self.translate_n_best = tf.function(merged(self._translate_n_best, text_spec, N_BEST_SIGNATURE),
+        self.translate_n_best = graph_function(merged(self._translate_n_best, text_spec, N_BEST_SIGNATURE),
                                             input_signature=text_spec)
-        self.translate_sampled = tf.function(self._translate_sampled, input_signature=sample_spec)
-        self.translate_prefixed = tf.function(merged(self._translate_prefixed, prefix_spec, PREFIX_SIGNATURE),
+        self.translate_sampled = graph_function(self._translate_sampled, input_signature=sample_spec)
+        self.translate_prefixed = graph_function(merged(self._translate_prefixed, prefix_spec, PREFIX_SIGNATURE),
                                               input_signature=prefix_spec)
-        self.translate_greedy_prefixed = tf.function(
+        self.translate_greedy_prefixed = graph_function(
             merged(self._translate_greedy_prefixed, prefix_spec, GREEDY_PREFIX_SIGNATURE), input_signature=prefix_spec)
-        self.score = tf.function(merged(self._score, score_spec, SCORE_SIGNATURE), input_signature=score_spec)
-        self.translate_aligned = tf.function(self._translate_aligned, input_signature=text_spec)
-        self.translate_ids = tf.function(
+        self.score = graph_function(merged(self._score, score_spec, SCORE_SIGNATURE), input_signature=score_spec)
+        self.translate_aligned = graph_function(self._translate_aligned, input_signature=text_spec)
+        self.translate_ids = graph_function(
             self._translate_ids, input_signature=[tf.TensorSpec([None, None], tf.int32, name="source_ids")])
         # No batching: tokenizing decodes nothing, and costs little alone.
-        self.tokenize = tf.function(self._tokenize, input_signature=text_spec)
-        captured = {}
-        for fn in [*self.signatures().values(), *self._batched_functions]:
-            for v in fn.variables:
-                captured.setdefault(id(v), v)
-        self.model_variables = list(captured.values())
+        self.tokenize = graph_function(self._tokenize, input_signature=text_spec)
+        # Nothing is traced here: a function is traced when it is first called (kt-evaluate calls one or
+        # two), or by `save`, which traces every signature.
 
     @classmethod
     @renamed_arguments(alpha="length_penalty")
     def from_model_dir(cls, model_dir, *, model_file=None, weights=None, beam_size=4, length_penalty=0.6, use_cache=True,
                        precision="auto", xla_max_batch=0, parallel_loops=1, no_repeat_ngram_size=0,
-                       request_batching=None):
+                       extra_output_length=EXTRA_OUTPUT_LENGTH, request_batching=None):
         """A `Translator` for a directory written by kt-train, with its config's `max_source_length`, decoding
         in `precision` (see `decode_policy`; the weights are mapped by `engine_model`, the output
         projection stored `[d_model, vocab]`, as the matmul reads it fastest, in one column block per
@@ -343,7 +348,7 @@ class Translator(tf.Module):
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
                    parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size,
-                   request_batching=request_batching)
+                   extra_output_length=extra_output_length, request_batching=request_batching)
 
     # -- graph pieces: text -> source ids -> search -> text ----------------
 
@@ -382,7 +387,8 @@ class Translator(tf.Module):
         def decode(ids, *rows):
             options = tf.nest.pack_sequence_as(row_options, list(rows))
             return search(ids, length_penalty=self.length_penalty, use_cache=self.use_cache, fixed_shapes=fixed_shapes,
-                          no_repeat_ngram_size=self.no_repeat_ngram_size, **options)
+                          no_repeat_ngram_size=self.no_repeat_ngram_size,
+                          extra_output_length=self.extra_output_length, **options)
 
         loops = 1 if fixed_shapes else self.parallel_loops
         return parallel_decode(decode, source_ids, loops, *tf.nest.flatten(row_options))
@@ -526,7 +532,15 @@ class Translator(tf.Module):
         }
 
     def save(self, path):
-        tf.saved_model.save(self, str(path), signatures=self.signatures())
+        """Writes the SavedModel of every signature to `path`; returns `path`."""
+        signatures = self.signatures()
+        captured = {}
+        for fn in [*signatures.values(), *self._batched_functions]:
+            for v in fn.variables:
+                captured.setdefault(id(v), v)
+        # Tracked: the variables the functions capture, and only these (see the module docstring).
+        self.model_variables = list(captured.values())
+        tf.saved_model.save(self, str(path), signatures=signatures)
         return path
 
 

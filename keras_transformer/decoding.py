@@ -36,20 +36,30 @@ __all__ = ["EXTRA_OUTPUT_LENGTH", "NextLogits", "Prepared", "Sampling", "beam_se
            "greedy_decode", "greedy_generate", "length_penalty", "output_bound", "prepare", "sample_decode",
            "search_loop"]
 
-# Default room for the output: source length + 50 tokens (paper section 6.1).
+# Default room for the output: source length + 50 tokens (paper section 6.1; its parsing experiment, section
+# 6.3, gives the output source length + 300: `extra_output_length=300`).
 EXTRA_OUTPUT_LENGTH = 50
 
 
-def output_bound(model, source_length, max_output_length=None):
+def check_extra_output_length(extra_output_length):
+    """Raises a ValueError naming a bad `extra_output_length` (an int >= 0)."""
+    if isinstance(extra_output_length, bool) or not isinstance(extra_output_length, int) or extra_output_length < 0:
+        raise ValueError(f"extra_output_length must be an int >= 0 (the output's room beyond the source's "
+                         f"length), got {extra_output_length!r}")
+
+
+def output_bound(model, source_length, max_output_length=None, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """The most output tokens (end token included) for a source of `source_length` real tokens.
 
-    Source length + `EXTRA_OUTPUT_LENGTH`, or `max_output_length` when given;
-    never past a learned position table (`model.max_positions`: output i is
-    read from decoder position i); at least 1. `source_length` may be a
-    Python int (the result is then one: a shape known when the search
-    compiles) or an int tensor `[batch]`.
+    Source length + `extra_output_length` (`EXTRA_OUTPUT_LENGTH`, 50, by
+    default), or `max_output_length` when given; never past a learned
+    position table (`model.max_positions`: output i is read from decoder
+    position i); at least 1. `source_length` may be a Python int (the result
+    is then one: a shape known when the search compiles) or an int tensor
+    `[batch]`.
     """
-    bound = source_length + EXTRA_OUTPUT_LENGTH if max_output_length is None else max_output_length
+    check_extra_output_length(extra_output_length)
+    bound = source_length + extra_output_length if max_output_length is None else max_output_length
     if model.learned_positions:
         bound = _minimum(bound, model.max_positions)
     return max(bound, 1) if isinstance(bound, int) else ops.maximum(bound, 1)
@@ -131,20 +141,21 @@ class Prepared(NamedTuple):
     steps: Any  # the loop's bound: the largest limit any sentence of this source length may have
 
 
-def prepare(model, source_ids, max_output_length=None):
+def prepare(model, source_ids, max_output_length=None, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """`Prepared`: the encoder output, padding mask, per-sentence output limits `[batch]` and the loop's bound
-    of `source_ids` `[batch, source_len]` (int, 0-padded)."""
+    of `source_ids` `[batch, source_len]` (int, 0-padded); the limits as `output_bound`'s."""
     source_ids = ops.convert_to_tensor(source_ids)
     if len(source_ids.shape) != 2:
         raise ValueError(f"Decoding expects source_ids of shape [batch, source_len], got shape {source_ids.shape}.")
     source_ids = ops.cast(source_ids, "int32")
     source_mask = padding_mask(source_ids)
     # Per sentence, so a sentence decodes the same alone or in any batch.
-    limits = output_bound(model, ops.sum(ops.cast(source_mask, "int32"), axis=1), max_output_length)
+    limits = output_bound(model, ops.sum(ops.cast(source_mask, "int32"), axis=1), max_output_length,
+                          extra_output_length)
     limits = ops.broadcast_to(ops.cast(limits, "int32"), ops.shape(source_ids)[:1])
     # From the padded length: a bound known when the search compiles, so every buffer has a fixed shape.
     length = source_ids.shape[1] if source_ids.shape[1] is not None else ops.shape(source_ids)[1]
-    steps = output_bound(model, length, max_output_length)
+    steps = output_bound(model, length, max_output_length, extra_output_length)
     return Prepared(model.encode(source_ids, training=False), source_mask, limits, steps)
 
 
@@ -152,7 +163,7 @@ def prepare(model, source_ids, max_output_length=None):
 
 @renamed_search_arguments
 def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, length_penalty=0.6, prefix_ids=None,
-                  no_repeat_ngram_size=0):
+                  no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """Batched greedy decoding with the key/value cache.
 
     Args:
@@ -160,7 +171,8 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, l
         source_ids: int `[batch, source_len]`, padded with 0.
         start_id, end_id: the target's start and end token ids.
         max_output_length: most output tokens (end token included); by
-            default each sentence gets its own source length + 50. Never more
+            default each sentence gets its own source length +
+            `extra_output_length`. Never more
             than the model's `max_positions` with learned positions (its table
             ends there). `max_length=` is its old name, still accepted (with a
             `DeprecationWarning`).
@@ -172,11 +184,14 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, l
             from there. Their log-probabilities count in the score.
         no_repeat_ngram_size: n > 0 bans any token that would make an n-gram
             (n consecutive output tokens) appear twice in an output.
+        extra_output_length: the room beyond the source's length the output
+            gets when `max_output_length` is None: 50 by default (the
+            paper's translation), 300 in its parsing experiment.
 
     Returns:
         tokens: int32 `[batch, steps]`, ending with `end_id` (unless cut at
             the limit) and padded with 0 after it; no start token. `steps` is
-            the loop's bound, source_len + 50 by default (fixed shapes, so the
+            the loop's bound, source_len + `extra_output_length` by default (fixed shapes, so the
             search compiles): trim the all-zero columns at the end if you like.
         scores: float32 `[batch]`, log-probability / length penalty.
 
@@ -186,12 +201,13 @@ def greedy_decode(model, source_ids, start_id, end_id, max_output_length=None, l
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, length_penalty, cached_decoder,
-                              prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size)
+                              prefix_ids=prefix_ids, no_repeat_ngram_size=no_repeat_ngram_size,
+                              extra_output_length=extra_output_length)
 
 
 @renamed_search_arguments
 def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, top_k=0, max_output_length=None,
-                  length_penalty=0.6, no_repeat_ngram_size=0):
+                  length_penalty=0.6, no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """Batched sampling with the key/value cache: each token drawn from the model's distribution.
 
     The greedy loop with a random choice: at each step a row's token is drawn
@@ -204,7 +220,7 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
 
     Args:
         model, source_ids, start_id, end_id, max_output_length, length_penalty,
-            no_repeat_ngram_size: as in `greedy_decode` (`max_length=` and
+            no_repeat_ngram_size, extra_output_length: as in `greedy_decode` (`max_length=` and
             `alpha=` too).
         seed: int, or int `[batch]`: one seed per sentence.
         temperature: float > 0, or float `[batch]`. Below 1 sharpens the
@@ -232,7 +248,8 @@ def sample_decode(model, source_ids, start_id, end_id, seed=0, temperature=1.0, 
     check_options(None, no_repeat_ngram_size)
     with _no_gradient():
         return _greedy_decode(model, source_ids, start_id, end_id, max_output_length, length_penalty, cached_decoder,
-                              no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k))
+                              no_repeat_ngram_size=no_repeat_ngram_size, sampling=(seed, temperature, top_k),
+                              extra_output_length=extra_output_length)
 
 
 
@@ -242,10 +259,10 @@ def _per_row(value, batch_size, dtype):
 
 
 def _greedy_decode(model, source_ids, start_id, end_id, max_output_length, alpha, decoder, prefix_ids=None,
-                   no_repeat_ngram_size=0, sampling=None):
+                   no_repeat_ngram_size=0, sampling=None, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """`greedy_decode` (or, with `sampling` = (seed, temperature, top_k), `sample_decode`) over
     `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
-    prepared = prepare(model, source_ids, max_output_length)
+    prepared = prepare(model, source_ids, max_output_length, extra_output_length)
     batch_size = ops.shape(prepared.encoder_output)[0]
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, prepared.steps)
     options = {"limits": prepared.limits}
@@ -327,7 +344,7 @@ def greedy_generate(embedding, decoder, output_projection, prompt_ids, max_new_t
 
 @renamed_search_arguments
 def beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty=0.6, max_output_length=None, n_best=None,
-                prefix_ids=None, no_repeat_ngram_size=0):
+                prefix_ids=None, no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """Batched beam search with the key/value cache and a length penalty.
 
     Each step extends every live hypothesis by every token and keeps the
@@ -361,7 +378,7 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty
             0.6 in the paper): hypotheses rank by log P / ((5 + length) / 6)^alpha.
             `alpha=` is its old name, still accepted (with a `DeprecationWarning`).
         max_output_length: most output tokens; by default source length +
-            50. Never more than the model's `max_positions` with learned
+            `extra_output_length`. Never more than the model's `max_positions` with learned
             positions. `max_length=` is its old name, still accepted (with a
             `DeprecationWarning`).
         n_best: None for the best hypothesis alone; n (1 to `beam_size`) for
@@ -374,6 +391,8 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty
             comes first: a prefix longer than it is cut.
         no_repeat_ngram_size: n > 0: no hypothesis gets an n-gram (n
             consecutive output tokens) twice, against outputs that loop.
+        extra_output_length: as in `greedy_decode` (50; the paper's parsing
+            experiment: 300).
 
     Returns:
         tokens: int32 `[batch, steps]`, the best finished hypothesis, padded
@@ -396,18 +415,18 @@ def beam_search(model, source_ids, start_id, end_id, beam_size=4, length_penalty
     check_options(prefix_ids, no_repeat_ngram_size)
     with _no_gradient():
         return _beam_search(model, source_ids, start_id, end_id, beam_size, length_penalty, max_output_length, cached_decoder,
-                            n_best, prefix_ids, no_repeat_ngram_size)
+                            n_best, prefix_ids, no_repeat_ngram_size, extra_output_length)
 
 
 def _beam_search(model, source_ids, start_id, end_id, beam_size, alpha, max_output_length, decoder, n_best=None,
-                 prefix_ids=None, no_repeat_ngram_size=0):
+                 prefix_ids=None, no_repeat_ngram_size=0, extra_output_length=EXTRA_OUTPUT_LENGTH):
     """`beam_search` over `decoder(model, encoder_output, source_mask, steps, rows)` -> (cache, next_logits)."""
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     if n_best is not None and not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be from 1 to beam_size ({beam_size}), got {n_best}")
     k, rows = beam_size, beam_size + 1  # per sentence: k beams, then the greedy hypothesis
-    prepared = prepare(model, source_ids, max_output_length)
+    prepared = prepare(model, source_ids, max_output_length, extra_output_length)
     batch_size, steps = ops.shape(prepared.encoder_output)[0], prepared.steps
     cache, next_logits = decoder(model, prepared.encoder_output, prepared.source_mask, steps, rows)
     search = Beam(end_id, k, alpha, n_best=n_best, no_repeat_ngram_size=no_repeat_ngram_size)

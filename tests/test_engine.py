@@ -620,6 +620,17 @@ def test_default_limit_is_source_length_plus_50():
         assert tokens[0, 51] == END and tokens[1, 55] == END
 
 
+def test_extra_output_length_sets_the_room_beyond_each_source_as_the_librarys():
+    model = never_ending_model()
+    source = sources_of_2_and_6_tokens()
+    for decode in (engine_greedy_decode, engine_beam_search):
+        for jit_compile in (False, True):
+            tokens = tf.function(lambda s: decode(model, s, START, END, extra_output_length=80,
+                                                  fixed_shapes=jit_compile), jit_compile=jit_compile)(source)[0].numpy()
+            assert list((tokens != 0).sum(axis=1)) == [2 + 80, 6 + 80], (decode, jit_compile)
+            assert tokens[0, 81] == END and tokens[1, 85] == END
+
+
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end,
     outside XLA and under it (where the bound comes from the padded source length)."""

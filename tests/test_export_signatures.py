@@ -3,6 +3,7 @@ session loader TF Serving uses: each answers what the library's search or scorin
 ids, and keeps the promises of its definition."""
 
 import base64
+import functools
 
 import numpy as np
 import pytest
@@ -179,6 +180,28 @@ def test_the_align_signature_names_one_source_piece_per_output_piece(exported, r
     expected = np.asarray(kt.align_targets(reference["model"], source, tokens, START_ID, END_ID))[:, :length]
     np.testing.assert_array_equal(alignment[:8], expected[:8])
     np.testing.assert_array_equal(alignment[9], expected[9])
+
+
+def test_an_export_with_extra_output_length_bounds_every_search_as_the_library(quick_model_dir, reference):
+    """`kt-export --extra-output-length N` (`Translator(extra_output_length=N)`): greedy and beam outputs are the
+    library's searches with the same room, at most each source's length + N pieces (the end included)."""
+    from export.translator import Translator
+
+    texts = multi30k_lines("test_2016_flickr.en", 12)
+    translator = Translator.from_model_dir(quick_model_dir, beam_size=3, extra_output_length=1)
+    source = reference["source_ids"](texts)
+    model, detokenize = reference["model"], reference["detokenize"]
+    for name, search in (("greedy", kt.greedy_decode), ("beam", functools.partial(kt.beam_search, beam_size=3))):
+        bounded = tf.function(lambda s: search(model, s, START_ID, END_ID, length_penalty=0.6,
+                                               extra_output_length=1))(source)[0]
+        served = (translator.translate_greedy if name == "greedy" else translator.translate)(tf.constant(texts))
+        assert [t.decode() for t in served["translation"].numpy()] == detokenize(bounded), name
+        lengths = (np.asarray(bounded) != 0).sum(axis=1)
+        assert (lengths <= (np.asarray(source) != 0).sum(axis=1) + 1).all(), name
+        unbounded = tf.function(lambda s: search(model, s, START_ID, END_ID, length_penalty=0.6))(source)[0]
+        assert detokenize(unbounded) != detokenize(bounded), name  # the room matters to these sentences
+    ids = translator.translate_ids(source)["tokens"].numpy()
+    assert ids.shape[1] <= np.asarray(source).shape[1] + 1
 
 
 def test_an_export_with_no_repeat_ngram_size_bans_repeats_in_every_search_as_the_library(quick_model_dir, reference):

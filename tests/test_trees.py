@@ -4,8 +4,8 @@ removed, zero-span brackets dropped, labels cut at '-' or '=', ADVP = PRT, one t
 
 import pytest
 
-from training.trees import (Repairs, Tree, TreeError, brackets, clean, delinearize, evalb, linearize, parse_trees,
-                            read_treebank)
+from training.trees import (Repairs, Tree, TreeError, brackets, clean, delinearize, evalb, gold_trees, linearize, main,
+                            parse_trees, read_treebank, score_parses)
 
 
 def tree(text):
@@ -123,3 +123,44 @@ def test_a_delinearized_prediction_with_gold_tags_scores_against_the_gold_tree()
     assert repairs.total == 0
     assert evalb([gold], [test])["matched"] == 4
     assert isinstance(test, Tree)
+
+
+def test_score_parses_makes_trees_over_the_gold_words_and_tags_and_sums_the_repairs():
+    """Two parses of GOLD: its linearisation, and the same missing its final `)S`, which `delinearize` closes
+    (one repair): both have gold's 5 brackets (S, NP, VP, PP, NP), so 10 of 10 match."""
+    gold = gold_trees([GOLD, GOLD])
+    right = " ".join(linearize(gold[0]))
+    unclosed = right.rsplit(" ", 1)[0]  # the final )S missing
+    scores = score_parses([right, unclosed], gold)
+    assert (scores["matched"], scores["gold_brackets"], scores["test_brackets"]) == (10, 10, 10)
+    assert scores["f1"] == 1.0 and scores["complete_match"] == 2
+    assert scores["repaired"] == 1 and scores["repairs"]["unclosed"] == 1 and sum(scores["repairs"].values()) == 1
+    # A flat parse: only S matches of gold's 5 (precision 1/1, recall 1/5, F1 1/3).
+    flat = score_parses(["(S " + "XX " * 6 + ")S"], gold[:1])
+    assert (flat["matched"], flat["test_brackets"], flat["f1"]) == (1, 1, pytest.approx(1 / 3))
+    assert "bracket F1 33.33 (recall 20.00, precision 100.00)" in flat["evalb_text"]
+    with pytest.raises(ValueError, match="1 hypotheses but 2 gold trees"):
+        score_parses([right], gold)
+
+
+def test_gold_trees_are_cleaned_and_a_line_that_is_not_one_tree_is_named():
+    (t,) = gold_trees(["(S (NP-SBJ (-NONE- *) ) (NP (PRP It)) (VP (VBZ is)))"])
+    assert str(t) == "(S (NP (PRP It)) (VP (VBZ is)))"
+    for bad in ("(S (NP (DT a)) (VP (VBZ is))) (S (NP (DT b)))", "(S (-NONE- *))"):
+        with pytest.raises(TreeError, match=r"gold.txt, line 2: expected one bracketed tree with words"):
+            gold_trees([GOLD, bad], "gold.txt")
+
+
+def test_kt_treebank_writes_the_words_the_linearised_trees_and_the_cleaned_gold(tmp_path, capsys):
+    mrg = tmp_path / "wsj_0001.mrg"
+    mrg.write_text("( (S (NP-SBJ (DT The) (NN cat)) (VP (VBD sat) (NP (-NONE- *T*-1))) (. .)) )\n"
+                   "( (S (-NONE- *)) )\n( (S (NP-SBJ (PRP It)) (VP (VBD rained))) )\n", encoding="utf-8")
+    assert main(["--treebank", str(mrg), "--out", str(tmp_path / "out" / "train")]) == 0
+    read = {suffix: (tmp_path / "out" / f"train.{suffix}").read_text(encoding="utf-8").splitlines()
+            for suffix in ("words", "linear", "gold")}
+    assert read == {"words": ["The cat sat .", "It rained"],
+                    "linear": ["(S (NP XX XX )NP (VP XX )VP XX )S", "(S (NP XX )NP (VP XX )VP )S"],
+                    "gold": ["(S (NP (DT The) (NN cat)) (VP (VBD sat)) (. .))", "(S (NP (PRP It)) (VP (VBD rained)))"]}
+    assert "2 trees (1 with no word but empty elements left out)" in capsys.readouterr().out
+    assert main(["--treebank", str(tmp_path / "missing.mrg"), "--out", str(tmp_path / "x")]) == 2
+    assert "kt-treebank: error: Treebank file not found" in capsys.readouterr().err

@@ -25,6 +25,8 @@ from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, DEFAULT_AVERAGE_LAS
                             add_renamed_flags, take_renamed_flags)
 from keras_transformer.renamed import renamed_note
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH
+from training.trees import METRICS
 from training.errors import ConfigError
 
 # kt-train's argument groups, in --help's and the table's order.
@@ -206,6 +208,12 @@ class TrainSettings:
     length_penalty: float | None = setting(
         None, "kt-evaluate's and kt-export's length penalty: a hypothesis scores log P / ((5 + length) / 6)^A",
         GROUPS[4], shown=f"theirs: {DEFAULT_LENGTH_PENALTY}", type=float, metavar="A")
+    metric: str = setting(
+        "bleu", "kt-evaluate's score: bleu (sacreBLEU, chrF) | evalb (EVALB's bracket F1 of parses against the "
+        "gold trees given as references, COLLINS.prm's conventions: the parsing recipe)", GROUPS[4])
+    extra_output_length: int | None = setting(
+        None, "kt-evaluate's and kt-export's room for the output: at most the source's length + N pieces "
+        "(the paper's parsing: 300)", GROUPS[4], shown=f"theirs: {EXTRA_OUTPUT_LENGTH}", type=int, metavar="N")
 
     verbose: int | str = setting(
         "auto", "show TensorFlow's and absl's log lines (hidden by default); N sets Keras' fit verbosity: 0 "
@@ -388,8 +396,13 @@ def check_settings(settings: TrainSettings) -> None:
                  "cpu_replicas"):
         if getattr(s, name) is not None and not getattr(s, name) >= 1:
             raise ConfigError(f"{_flag(name)} ({name}) must be a whole number of at least 1, got {getattr(s, name)!r}")
+    if s.extra_output_length is not None and not s.extra_output_length >= 0:
+        raise ConfigError(f"--extra-output-length (extra_output_length) must be a whole number of at least 0, "
+                          f"got {s.extra_output_length!r}")
     if s.epochs is None and s.max_updates is None:
         raise ConfigError("\"epochs\": null (no epoch limit) needs max_updates (--max-updates N)")
+    if s.metric not in METRICS:
+        raise ConfigError(f"metric (--metric) must be one of {', '.join(METRICS)}, got {s.metric!r}")
     if s.vocab_type not in VOCAB_TYPES:
         raise ConfigError(f"vocab_type (--vocab-type) must be one of {', '.join(VOCAB_TYPES)}, got {s.vocab_type!r}")
     if s.checkpoint_every:

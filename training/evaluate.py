@@ -30,6 +30,12 @@ every hyphen between two non-spaces split off as `##AT##-##AT##`
 when the dataset (`--dataset`, else the one config.json records) is a TFDS
 name beginning with `wmt`, and for any dataset with `--paper-bleu`.
 
+With `--metric evalb` (recorded by the parsing recipe, configs/parsing-wsj.json)
+the outputs are linearised parses and the references gold trees, one a line
+(kt-treebank's PREFIX.gold): it prints EVALB's bracket F1 with COLLINS.prm's
+conventions, and how many parses had to be repaired into trees
+(`training.trees.score_parses`).
+
 `--hypotheses FILE --references FILE` scores an existing file without decoding
 (`--target-lang LANG --paper-bleu` for the paper's BLEU of, e.g., newstest2014).
 """
@@ -61,6 +67,8 @@ from export.translator import Translator  # noqa: E402
 from keras_transformer.text import read_lines  # noqa: E402
 from training.data import DataSpec, load_text_pairs  # noqa: E402
 from training.errors import DataError  # noqa: E402
+from training.trees import METRICS, TreeError, gold_trees, score_parses  # noqa: E402
+from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH  # noqa: E402
 
 
 MULTI30K_PROTOCOL = "Multi30k protocol (lowercased, Moses punctuation-normalised and tokenised; sacrebleu -tok none)"
@@ -206,6 +214,14 @@ def build_parser():
     p.add_argument("--length-penalty", type=float, metavar="A",
                    help="length penalty: a hypothesis scores log P / ((5 + length) / 6)^A (default: the one "
                    f"kt-train --length-penalty recorded in config.json, else {DEFAULT_LENGTH_PENALTY})")
+    p.add_argument("--metric", choices=METRICS,
+                   help="bleu: sacreBLEU's BLEU and chrF of translations; evalb: EVALB's bracket F1 (COLLINS.prm) "
+                        "of linearised parses (kt-treebank's PREFIX.linear as the target) against --references, "
+                        "the gold trees one a line (its PREFIX.gold). Default: the one kt-train --metric "
+                        "recorded in config.json, else bleu")
+    p.add_argument("--extra-output-length", type=int, metavar="N",
+                   help="an output has at most its source's length + N pieces (default: the one kt-train "
+                        f"--extra-output-length recorded in config.json, else {EXTRA_OUTPUT_LENGTH})")
     # The old name of --length-penalty, still read (with a note): see main.
     add_renamed_flags(p, "alpha")  # --alpha, still read (with a note)
     p.add_argument("--batch-size", type=int, default=64, help="sentences per decoding batch")
@@ -249,12 +265,32 @@ def _protocols(args, cfg: dict, lang: str | None) -> dict:
     return {"multi30k": dataset == "multi30k", "paper": args.paper_bleu or dataset.startswith("wmt")}
 
 
+def _metric(args, cfg: dict) -> str:
+    """The score: `--metric`, else the one kt-train recorded, else BLEU. EVALB's needs gold trees in a file."""
+    metric = recorded_setting(cfg, "metric", args.metric, "bleu")
+    if metric == "evalb" and not args.references:
+        raise SystemExit("--metric evalb scores parses against gold trees: pass --references GOLD (kt-treebank's "
+                         "PREFIX.gold) and --source-file (its PREFIX.words) or --hypotheses")
+    return metric
+
+
 def _lowercases(cfg: dict) -> bool:
     """Whether kt-train recorded a case-folding vocabulary (`--lowercase`) in config.json."""
     return bool(cfg.get("training", {}).get("lowercase"))
 
 
+def scores_of(hypotheses: list[str], references: list[str], metric: str, args, cfg: dict, lang: str | None) -> dict:
+    """`metric`'s scores of `hypotheses` against `references` (lines): `score`'s BLEU and chrF, or for "evalb"
+    EVALB's of parses against the gold trees the references are (`training.trees.score_parses`)."""
+    if metric == "evalb":
+        return score_parses(hypotheses, gold_trees(references, args.references or "the references"))
+    return score(hypotheses, references, lang, lowercase=_lowercases(cfg), **_protocols(args, cfg, lang))
+
+
 def print_scores(scores: dict) -> None:
+    if "evalb_text" in scores:
+        print(scores["evalb_text"])
+        return
     print(scores["bleu_text"])
     print(scores["chrf_text"])
     if "multi30k_bleu_text" in scores:
@@ -269,7 +305,7 @@ def main(argv=None) -> int:
     take_renamed_flags(parser, args, "kt-evaluate:")
     try:
         return evaluate(args)
-    except (FileNotFoundError, DataError) as e:
+    except (FileNotFoundError, DataError, TreeError) as e:
         print(f"kt-evaluate: error: {e}", file=sys.stderr)
         return 2
 
@@ -283,7 +319,7 @@ def evaluate(args) -> int:
         cfg = read_config(args.model_dir) if args.model_dir else {}
         refs = read_lines(args.references) if args.references else _source_and_refs(args, cfg)[1]
         lang = args.target_lang or cfg.get("target_lang")
-        scores = score(hyps, refs, lang, lowercase=_lowercases(cfg), **_protocols(args, cfg, lang))
+        scores = scores_of(hyps, refs, _metric(args, cfg), args, cfg, lang)
         print_scores(scores)
         if args.output:
             Path(args.output).write_text(json.dumps(scores, indent=2))
@@ -294,11 +330,16 @@ def evaluate(args) -> int:
     tfds.disable_progress_bar()
     cfg = read_config(args.model_dir)
     lang = args.target_lang or cfg["target_lang"]
-    protocols = _protocols(args, cfg, lang)
+    metric = _metric(args, cfg)
+    if metric == "bleu":
+        _protocols(args, cfg, lang)  # its errors before the decoding
     args.beam_size = recorded_setting(cfg, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.length_penalty = recorded_setting(cfg, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
+    args.extra_output_length = recorded_setting(cfg, "extra_output_length", args.extra_output_length,
+                                                EXTRA_OUTPUT_LENGTH)
     translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
-                                           beam_size=args.beam_size, length_penalty=args.length_penalty)
+                                           beam_size=args.beam_size, length_penalty=args.length_penalty,
+                                           extra_output_length=args.extra_output_length)
     sources, refs = _source_and_refs(args, cfg)
     if args.max_examples:
         sources, refs = sources[: args.max_examples], refs[: args.max_examples]
@@ -311,7 +352,7 @@ def evaluate(args) -> int:
     name = Path(args.source_file).name if args.source_file else (args.split or default_split)
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    scores = score(hyps, refs, lang, lowercase=_lowercases(cfg), **protocols)
+    scores = scores_of(hyps, refs, metric, args, cfg, lang)
     scores.update({"beam_size": args.beam_size, "length_penalty": args.length_penalty, "hypotheses_file": str(out),
                    "decode_seconds": round(elapsed, 1), "truncated_sources": truncated,
                    "max_source_length": translator.max_source_length})

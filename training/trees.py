@@ -20,12 +20,16 @@ the gold tree's tags (`delinearize(..., tags=)`): the linearisation predicts non
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+# kt-evaluate's scores (kt-train's "metric" setting): BLEU of translations, EVALB's F1 of linearised parses.
+METRICS = ("bleu", "evalb")
 WORD = "XX"  # the token that stands for a word in a linearised tree
 # COLLINS.prm: the labels whose words and brackets EVALB deletes, and the labels it takes as one.
 DELETED_LABELS = frozenset({"TOP", "-NONE-", ",", ":", "``", "''", "."})
@@ -283,3 +287,77 @@ def evalb(gold: Iterable[Tree], test: Iterable[Tree]) -> dict:
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"recall": recall, "precision": precision, "f1": f1, "matched": matched, "gold_brackets": gold_count,
             "test_brackets": test_count, "complete_match": complete, "sentences": sentences, "errors": errors}
+
+
+def score_parses(hypotheses: Iterable[str], gold: Iterable[Tree]) -> dict:
+    """EVALB's scores (`evalb`) of linearised parses, one a line, against the gold trees of the same sentences
+    (`clean`ed): each hypothesis made a tree over its gold tree's words and tags (`delinearize`), with the
+    repairs that took, summed (`"repairs"`: per kind, and `"repaired"`: the hypotheses that needed any), and a
+    line to print (`"evalb_text"`)."""
+    gold = list(gold)
+    hypotheses = list(hypotheses)
+    if len(hypotheses) != len(gold):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(gold)} gold trees")
+    repairs, repaired, test = Repairs(), 0, []
+    for line, tree in zip(hypotheses, gold):
+        parsed, fixed = delinearize(line.split(), tree.words(), tree.tags())
+        test.append(parsed)
+        repairs.add(fixed)
+        repaired += fixed.total > 0
+    scores = evalb(gold, test)
+    scores.update({"repairs": dataclasses.asdict(repairs), "repaired": repaired})
+    kinds = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in scores["repairs"].items() if count)
+    scores["evalb_text"] = (
+        f"EVALB (COLLINS.prm): bracket F1 {100 * scores['f1']:.2f} (recall {100 * scores['recall']:.2f}, "
+        f"precision {100 * scores['precision']:.2f}), {scores['complete_match']} of {scores['sentences']} "
+        f"complete matches, {scores['errors']} skipped; {repaired} parse(s) not well-formed, repaired"
+        + (f" ({kinds})" if kinds else ""))
+    return scores
+
+
+def gold_trees(lines: Iterable[str], source: str = "<references>") -> list[Tree]:
+    """The `clean`ed trees of `lines`, one bracketed tree a line (as `kt-treebank` writes PREFIX.gold); a
+    `TreeError` names `source` and the line of a tree that is not one, or has no word."""
+    trees = []
+    for number, line in enumerate(lines, 1):
+        found = list(parse_trees(line, f"{source}, line {number}"))
+        cleaned = clean(found[0]) if len(found) == 1 else None
+        if cleaned is None:
+            raise TreeError(f"{source}, line {number}: expected one bracketed tree with words, got {line[:80]!r}")
+        trees.append(cleaned)
+    return trees
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="kt-treebank", description="A treebank as parallel text for kt-train: PREFIX.words (each sentence's "
+        "words), PREFIX.linear (its tree, linearised: the target) and PREFIX.gold (its tree cleaned, one a line: "
+        "kt-evaluate's references for EVALB's F1). Empty elements (-NONE-) and function tags are removed.",
+        epilog="The paper's split of the Wall Street Journal: sections 02-21 train, 22 validation, 23 test, e.g. "
+        "kt-treebank --treebank wsj/02/*.mrg ... wsj/21/*.mrg --out data/wsj/train")
+    p.add_argument("--treebank", nargs="+", required=True, metavar="FILE",
+                   help="bracketed trees: one a line, or the Penn Treebank's .mrg files")
+    p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.words, PREFIX.linear, PREFIX.gold")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        read = read_treebank(args.treebank)
+    except (FileNotFoundError, TreeError) as e:
+        print(f"kt-treebank: error: {e}", file=sys.stderr)
+        return 2
+    trees = [t for t in map(clean, read) if t is not None]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, lines in (("words", (" ".join(t.words()) for t in trees)),
+                          ("linear", (" ".join(linearize(t)) for t in trees)), ("gold", (str(t) for t in trees))):
+        Path(f"{out}.{suffix}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    skipped = f" ({len(read) - len(trees)} with no word but empty elements left out)" if len(read) > len(trees) else ""
+    print(f"kt-treebank: {len(trees)} trees{skipped} -> {out}.words, {out}.linear, {out}.gold")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

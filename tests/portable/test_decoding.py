@@ -175,6 +175,23 @@ def test_default_limit_is_source_length_plus_50():
         assert tokens[0, 51] == END and tokens[1, 55] == END
 
 
+def test_extra_output_length_sets_the_room_beyond_each_source():
+    """`extra_output_length=N`: each output has at most its source's length + N tokens (the paper's parsing: +300),
+    in every search; a bad value is refused, naming it."""
+    model = never_ending_model()
+    source = sources_of_2_and_6_tokens()
+    for decode in (kt.greedy_decode, kt.beam_search, kt.sample_decode):
+        tokens = to_numpy(jit(lambda s: decode(model, s, START, END, extra_output_length=7))(source)[0])
+        assert tokens.shape == (2, 6 + 7)
+        assert list((tokens != 0).sum(axis=1)) == [2 + 7, 6 + 7]
+        assert tokens[0, 8] == END and tokens[1, 12] == END
+    # max_output_length, when given, is the limit.
+    assert tuple(kt.greedy_decode(model, source, START, END, max_output_length=4, extra_output_length=7)[0].shape) == (2, 4)
+    for bad in (-1, 2.5, None):
+        with pytest.raises(ValueError, match=rf"extra_output_length must be an int >= 0 .*got {bad!r}"):
+            kt.beam_search(model, source, START, END, extra_output_length=bad)
+
+
 def test_learned_positions_cap_the_output_at_the_position_table():
     """The default limit (source length + 50) is past a 12-position table: decoding stops at the table's end."""
     model = never_ending_model(learned_positions=True, max_positions=12)
