@@ -4,7 +4,7 @@ CPU devices and multi-worker strategies must be set up before TensorFlow starts)
     python tests/replica_updates.py OUT.json REPLICAS [CASE ...]  # REPLICAS logical CPU devices (MirroredStrategy; 1: default)
     TF_CONFIG=... python tests/replica_updates.py OUT.json workers [CASE ...]  # a worker of a MultiWorkerMirroredStrategy
 
-Without CASEs it trains every case but the linear ones (LINEAR_CASES), which tests ask for by name.
+Without CASEs it trains every case.
 
 For each case it trains 3 updates of a tiny Transformer (dropout off, SGD, so a gradient's scale shows in the
 weights) on the same global batches, whose halves hold different numbers of real target tokens, with kt-train's
@@ -304,7 +304,7 @@ def main():
     strategy = make_strategy(1) if MODE == "workers" else (
         tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(int(MODE))]) if int(MODE) > 1
         else tf.distribute.get_strategy())
-    cases = sys.argv[3:] or [*CASES, "overflow", "own-script", "own-script-overflow"]
+    cases = sys.argv[3:] or [*CASES, "overflow", "own-script", "own-script-overflow", *LINEAR_CASES]
     run = {"overflow": overflow_case, "own-script": own_script_case,
            "own-script-overflow": lambda strategy: own_script_case(strategy, overflow=True)}
     run.update({name: lambda strategy, name=name: linear_case(strategy, name) for name in LINEAR_CASES})

@@ -168,34 +168,46 @@ def test_a_run_by_updates_killed_mid_span_resumes_and_checkpoints_at_the_same_up
 # 2. MultiWorkerMirroredStrategy: two local worker processes.
 
 
+TWO_WORKER_EPOCHS, TWO_WORKER_STEPS = 3, 20
+
+
+def _two_worker_cmd(run_dir, model_dir):
+    src, tgt = run_dir / "train.en", run_dir / "train.de"
+    return _train_cmd(model_dir, src, tgt, "--epochs", str(TWO_WORKER_EPOCHS), "--steps-per-epoch",
+                      str(TWO_WORKER_STEPS), "--backup-every", "5")
+
+
+@pytest.fixture(scope="module")
+def two_workers_killed(tmp_path_factory):
+    """A two-worker run killed mid-epoch 2 (worker 2 SIGKILLed, then the chief, blocked in a collective, as a
+    job scheduler would stop it): its folder, holding the corpus and the run ("mw"). Each test resumes a copy."""
+    root = tmp_path_factory.mktemp("two-workers")
+    _small_corpus(root, n=300)
+    procs = start_workers(_two_worker_cmd(root, root / "mw"), [root / f"run1-worker{i}.log" for i in range(2)])
+    try:
+        _wait_for_mid_epoch_2(root / "mw" / "backup" / "training_metadata.json", [p for p, _ in procs], 300,
+                              root / "run1-worker0.log")
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        time.sleep(2)
+        os.kill(procs[0][0].pid, signal.SIGKILL)
+    finally:
+        wait_all(procs, 30)
+    return root
+
+
 @needs_multi30k
 @pytest.mark.parametrize("lag", ["whole", "cut"])
-def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
+def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(two_workers_killed, tmp_path, lag):
     """MultiWorkerMirroredStrategy on 127.0.0.1: worker 2 is SIGKILLed mid-epoch (the chief, blocked in a
     collective, is stopped too, as a job scheduler would), then both start again with the same command.
     Worker 2 died one backup behind the chief, its newest pair whole or cut in two; both resume from the
     backup both have (not each its own, which deadlocked them), and every planned epoch is trained: two
     replicas, the same loss logged on both workers (it is averaged over them), model.keras written by the
     chief."""
-    src, tgt = _small_corpus(tmp_path, n=300)
+    epochs, steps = TWO_WORKER_EPOCHS, TWO_WORKER_STEPS
     model_dir = tmp_path / "mw"
-    epochs, steps = 3, 20
-
-    cmd = _train_cmd(model_dir, src, tgt, "--epochs", str(epochs), "--steps-per-epoch", str(steps),
-                     "--backup-every", "5")
-
-    def start(run):
-        return start_workers(cmd, [tmp_path / f"run{run}-worker{i}.log" for i in range(2)])
-
-    procs = start(1)
-    try:
-        _wait_for_mid_epoch_2(model_dir / "backup" / "training_metadata.json", [p for p, _ in procs], 300,
-                              tmp_path / "run1-worker0.log")
-        os.kill(procs[1][0].pid, signal.SIGKILL)
-        time.sleep(2)
-        os.kill(procs[0][0].pid, signal.SIGKILL)
-    finally:
-        wait_all(procs, 30)
+    shutil.copytree(two_workers_killed / "mw", model_dir)
+    cmd = _two_worker_cmd(two_workers_killed, model_dir)
 
     # Worker 2, killed between the chief's backup and its own, is one backup behind. The state it is left in
     # depends on the instant of the kill, so the test puts each in place from the chief's files (under
@@ -212,7 +224,7 @@ def test_two_workers_killed_mid_epoch_resume_with_no_epoch_lost(tmp_path, lag):
     behind = _read_meta(other / "training_metadata.json")
     assert behind["step"] < _read_meta(chief / "training_metadata.json")["step"]
 
-    procs = start(2)
+    procs = start_workers(cmd, [tmp_path / f"run2-worker{i}.log" for i in range(2)])
     wait_all(procs, 600)
     outs = [(tmp_path / f"run2-worker{i}.log").read_text() for i in range(2)]
     for (p, _), out in zip(procs, outs):

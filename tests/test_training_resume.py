@@ -24,7 +24,7 @@ from training.prepared_corpus import open_prepared, stream_batches, worker_shard
 
 pytestmark = needs_multi30k
 
-PAIRS = 400
+PAIRS = 250
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,15 @@ LINEAR_CASES = ["scaled-overflow", "scaled-clip", "scaled-own-clip", "unequal-to
 LABEL_SMOOTHING = 0.1
 
 
-def run_program(out, cases=()):
-    """Runs tests/replica_updates.py's `cases` (its default ones if none) on 1 replica, 2 replicas and 2 workers at
+def run_program(out):
+    """Runs every case of tests/replica_updates.py on 1 replica, 2 replicas and 2 workers at
     once, writing into the folder `out`: {"1": one replica, "2": two replicas, "workers": two workers}, each
     program's results."""
-    procs = {mode: subprocess.Popen([sys.executable, PROGRAM, str(out / f"{mode}.json"), mode, *cases], cwd=REPO,
+    procs = {mode: subprocess.Popen([sys.executable, PROGRAM, str(out / f"{mode}.json"), mode], cwd=REPO,
                                     env=distributed_env(), stdout=subprocess.DEVNULL,
                                     stderr=open(out / f"{mode}.log", "w"))
              for mode in ("1", "2")}
-    workers = start_workers([sys.executable, PROGRAM, str(out / "workers.json"), "workers", *cases],
+    workers = start_workers([sys.executable, PROGRAM, str(out / "workers.json"), "workers"],
                             [out / f"worker-{i}.log" for i in range(2)])
     for mode, proc in procs.items():
         proc.wait(timeout=1200)
@@ -44,14 +44,8 @@ def run_program(out, cases=()):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The default cases' results on each replica count (`run_program`)."""
+    """Every case's results on each replica count (`run_program`): one set of processes for them all."""
     return run_program(tmp_path_factory.mktemp("replica-updates"))
-
-
-@pytest.fixture(scope="module")
-def linear_runs(tmp_path_factory):
-    """The linear cases' results on each replica count (`run_program`)."""
-    return run_program(tmp_path_factory.mktemp("linear-updates"), LINEAR_CASES)
 
 
 def assert_same_weights(expected, actual, what, rtol=1e-5):
@@ -238,13 +232,13 @@ def assert_update(expected, step, what, replicas):
 
 
 @pytest.mark.parametrize("replicas", ["1", "2", "workers"])
-def test_an_overflow_in_the_second_batch_of_an_update_skips_the_whole_update(linear_runs, replicas):
+def test_an_overflow_in_the_second_batch_of_an_update_skips_the_whole_update(runs, replicas):
     """2 batches per update, loss scaling (`dynamic_growth_steps=2`): batch 4, the second of update 2, holds an
     infinite feature in replica 2's share. Update 2 is skipped on every replica, its finite first batch with it:
     the weights stay as update 1 left them, no update is counted, the scale halves and `LossScaleOptimizer`'s
     count of finite updates starts again, as Keras' own skip does (`_stateful_handle_non_finite_grads`); no batch
     is left pending. Two finite updates later the scale doubles again."""
-    run = linear_runs[replicas]["scaled-overflow"]
+    run = runs[replicas]["scaled-overflow"]
     steps, scale = run["steps"], run["scale"]
     # (optimizer step, batches pending, loss scale, finite updates counted) after each batch
     assert [(s["step"], s["pending"], s["loss_scale"], s["step_counter"]) for s in steps] == [
@@ -265,11 +259,11 @@ def test_an_overflow_in_the_second_batch_of_an_update_skips_the_whole_update(lin
 
 
 @pytest.mark.parametrize("replicas", ["1", "2", "workers"])
-def test_the_update_after_a_skipped_one_starts_afresh(linear_runs, replicas):
+def test_the_update_after_a_skipped_one_starts_afresh(runs, replicas):
     """After the skipped update 2 (its second batch overflowed), update 3 is the one a fresh run makes from the
     same weights on batches 5 and 6: the accumulated gradients, tokens and overflow count were reset, so nothing
     of batches 3 and 4 is left in it (batch 3's finite gradient would move it: checked apart). Update 4 too."""
-    run = linear_runs[replicas]["scaled-overflow"]
+    run = runs[replicas]["scaled-overflow"]
     steps, batches = run["steps"], linear_batches(run)
     weights = replica_copies(steps[3])[0]  # as update 1 left them
     expected = hand_update(weights, batches[4:6])
@@ -281,12 +275,12 @@ def test_the_update_after_a_skipped_one_starts_afresh(linear_runs, replicas):
 
 @pytest.mark.parametrize("replicas", ["1", "2", "workers"])
 @pytest.mark.parametrize("case", ["scaled-clip", "scaled-own-clip"])
-def test_the_clip_sees_the_unscaled_summed_gradient(linear_runs, case, replicas):
+def test_the_clip_sees_the_unscaled_summed_gradient(runs, case, replicas):
     """A loss scale of 2^20 and a clip to global norm 0.05, on the update step (kt-train's --global-clipnorm; 2
     batches per update) or on the optimizer (`SGD(global_clipnorm=...)`, a user's own script): each update is SGD's
     step on the mean gradient over the update's real target tokens, clipped to 0.05. The clip bites (the gradient's
     norm is well above it); clipping the scaled gradient would have made the update 2^20 times too small."""
-    run = linear_runs[replicas][case]
+    run = runs[replicas][case]
     clip, accumulate, batches = run["step_clip"] or run["own_clip"], run["accumulate"], linear_batches(run)
     assert run["scale"] == 2.0 ** 20 and clip == CLIP
     weights = [np.asarray(w, "float64") for w in run["start"]]
@@ -301,13 +295,13 @@ def test_the_clip_sees_the_unscaled_summed_gradient(linear_runs, case, replicas)
 
 @pytest.mark.parametrize("replicas", ["1", "2", "workers"])
 @pytest.mark.parametrize("case", ["unequal-tokens", "unequal-tokens+accumulate"])
-def test_replicas_of_unequal_token_counts_make_the_update_of_their_concatenated_batches(linear_runs, case, replicas):
+def test_replicas_of_unequal_token_counts_make_the_update_of_their_concatenated_batches(runs, case, replicas):
     """Each global batch's first half (replica 1's share on two replicas) holds 7 to 10 real target tokens a row,
     its second half 1 to 3. On any replica count, and with 2 batches per update, each update is SGD's step on the
     mean over every real target token of the update's batches, as one replica computes it on their rows
     concatenated; a mean of the halves' (replicas') means, which weighs a short half's tokens more, is far from
     it."""
-    run = linear_runs[replicas][case]
+    run = runs[replicas][case]
     accumulate, batches = run["accumulate"], linear_batches(run)
     assert accumulate == (2 if case.endswith("+accumulate") else 1)
     half = len(batches[0][1]) // 2
