@@ -283,7 +283,7 @@ def scores_of(hypotheses: list[str], references: list[str], metric: str, args, c
     """`metric`'s scores of `hypotheses` against `references` (lines): `score`'s BLEU and chrF, or for "evalb"
     EVALB's of parses against the gold trees the references are (`training.trees.score_parses`)."""
     if metric == "evalb":
-        return score_parses(hypotheses, gold_trees(references, args.references or "the references"))
+        return score_parses(hypotheses, gold_trees(references, args.references))  # `_metric` requires the file
     return score(hypotheses, references, lang, lowercase=_lowercases(cfg), **_protocols(args, cfg, lang))
 
 
