@@ -223,17 +223,15 @@ def delinearize(tokens: Iterable[str], words: list[str], tags: list[str] | None 
             close(label, children)
         else:
             repairs.unknown += 1
+    while stack:  # closed before the missing words are added, which then come after every word placed
+        repairs.unclosed += 1
+        close(*stack.pop())
     missing = [Tree(tags[i] if tags is not None else WORD, (words[i],)) for i in range(used, len(words))]
     repairs.missing_words = len(missing)
-    if missing and stack:
-        stack[0][1].extend(missing)
-    elif missing and len(top) == 1 and not top[0].is_preterminal:
+    if missing and len(top) == 1 and not top[0].is_preterminal:
         top[0] = Tree(top[0].label, top[0].children + tuple(missing))
     else:
         top.extend(missing)
-    while stack:
-        repairs.unclosed += 1
-        close(*stack.pop())
     if len(top) == 1 and not top[0].is_preterminal:
         return top[0], repairs
     repairs.wrapped += 1
