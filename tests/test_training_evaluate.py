@@ -409,6 +409,22 @@ def test_the_commands_after_training_take_the_settings_kt_train_recorded(trained
     assert "--alpha is the old name of --length-penalty: give --length-penalty only" in capsys.readouterr().err
 
 
+def test_a_negative_extra_output_length_is_a_usage_error_in_kt_evaluate_and_kt_export(trained_dir, tmp_path,
+                                                                                   capsys):
+    """`--extra-output-length -1` is the room beyond each source, which cannot be negative: both commands stop with
+    a usage error naming the flag and the value, before loading the model (no traceback)."""
+    from export.export_model import main as export
+    from training.evaluate import main as evaluate
+
+    for command, args in ((evaluate, ["--model-dir", str(trained_dir)]),
+                          (export, ["--model-dir", str(trained_dir), "--export-dir", str(tmp_path / "export")])):
+        with pytest.raises(SystemExit) as exit_:
+            command(args + ["--extra-output-length", "-1"])
+        assert exit_.value.code == 2
+        assert "--extra-output-length must be >= 0, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "export").exists()
+
+
 def test_evaluate_scores_a_checkpoint_of_a_run_that_has_no_model_keras_yet(trained_dir, tmp_path, capsys):
     """While kt-train runs there is no model.keras: `kt-evaluate --weights CHECKPOINT` builds the model from
     config.json and translates as it does with model.keras. Without --weights, one line names the ways out."""

@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     take_renamed_flags(parser, args, "kt-evaluate:")
+    if args.extra_output_length is not None and args.extra_output_length < 0:
+        parser.error(f"--extra-output-length must be >= 0, got {args.extra_output_length}")
     try:
         return evaluate(args)
     except (FileNotFoundError, DataError, TreeError) as e:
