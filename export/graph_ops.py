@@ -14,6 +14,7 @@ the server was started with `--xla_cpu_compilation_enabled`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -66,12 +67,18 @@ def saved_model_ops(path) -> dict:
 
 def registered_ops(python=sys.executable) -> dict:
     """Op names registered by core TensorFlow and by tensorflow-text, from a fresh process that
-    imports only tensorflow, then tensorflow_text: {"core": [...], "tensorflow_text": [...]}."""
+    imports only tensorflow, then tensorflow_text: {"core": [...], "tensorflow_text": [...]}. That process
+    runs once per `python` in a process (the packages a given interpreter imports do not change while it runs);
+    each call gets its own lists."""
+    return json.loads(_registered_ops_json(python))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_ops_json(python: str) -> str:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
            "PYTHONPATH": os.pathsep.join(filter(None, [_PROJECT, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([python, "-c", _REGISTERED_OPS_SCRIPT], capture_output=True, text=True, env=env,
-                         check=True, cwd="/")
-    return json.loads(out.stdout)
+    return subprocess.run([python, "-c", _REGISTERED_OPS_SCRIPT], capture_output=True, text=True, env=env,
+                          check=True, cwd="/").stdout
 
 
 def unservable_ops(ops, registered, allow_xla=False) -> list[str]:
