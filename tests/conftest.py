@@ -706,3 +706,48 @@ def mock_tfds_python(tmp_path, examples: int = 120) -> str:
     script = tmp_path / "mock_tfds_python.py"
     script.write_text(MOCK_TFDS_PYTHON, encoding="utf-8")
     return f"{sys.executable} {script} {examples}"
+
+
+# A small grammar for the parsing recipe's end-to-end test: each word has one tag and one role (a verb's class
+# says what follows it; "of" attaches to the noun phrase before it, the other prepositions to the verb phrase),
+# so each sentence has one parse, which a model can learn from the words alone. Trees as the Penn Treebank writes
+# them: in an unlabelled outer bracket, with a function tag (NP-SBJ) and a final period (a tag EVALB deletes).
+GRAMMAR_LEXICON = {
+    "DT": "the a every this".split(),
+    "JJ": "big small red old happy".split(),
+    "NN": "dog cat man woman ball park house car boy girl".split(),
+    "NNP": "Anna Bob Paris Oslo".split(),
+    "VBD": "saw liked took found".split(),  # takes an object
+    "VBD-I": "slept ran smiled".split(),  # takes none
+    "VBD-S": "said thought".split(),  # takes a clause
+    "IN": "with in near".split(),  # the verb phrase's
+    "IN-N": ["of"],  # the noun phrase's
+}
+
+
+def grammar_tree(rng, depth=0) -> str:
+    """A random sentence of the grammar above as a bracketed tree (`rng`: a `random.Random`): a clause is a
+    subject, a verb phrase and, at the top, a period; a verb phrase may hold one clause (after "that")."""
+    def word(tag):
+        return f"({tag.split('-')[0]} {rng.choice(GRAMMAR_LEXICON[tag])})"
+
+    def noun_phrase(nested=True):
+        kind = rng.random()
+        inside = (f"{word('DT')} {word('NN')}" if kind < 0.4 else f"{word('DT')} {word('JJ')} {word('NN')}"
+                  if kind < 0.7 else word("NNP"))
+        if nested and rng.random() < 0.25:
+            return f"(NP (NP {inside}) (PP {word('IN-N')} {noun_phrase(False)}))"
+        return f"(NP {inside})"
+
+    def verb_phrase():
+        kind = rng.random()
+        if kind < 0.2:
+            return f"(VP {word('VBD-I')})"
+        if kind < 0.55:
+            return f"(VP {word('VBD')} {noun_phrase()})"
+        if kind < 0.8 or depth > 0:
+            return f"(VP {word('VBD')} {noun_phrase()} (PP {word('IN')} {noun_phrase()}))"
+        return f"(VP {word('VBD-S')} (SBAR (IN that) {grammar_tree(rng, depth + 1)}))"
+
+    clause = f"(S (NP-SBJ{noun_phrase()[3:]} {verb_phrase()}" + (" (. .))" if depth == 0 else ")")
+    return f"( {clause} )" if depth == 0 else clause
