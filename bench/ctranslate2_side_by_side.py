@@ -199,7 +199,8 @@ def set_embeddings(embeddings_spec, positions_spec, embedding, num_positions):
     """Token embedding (CTranslate2 scales it by sqrt(d_model) itself, as we do) and our sinusoid table,
     [num_positions, d_model], position 0 first (CTranslate2 adds row i at position i)."""
     embeddings_spec.weight = numpy32(embedding.token_embedding.embeddings)
-    positions_spec.encodings = positional_encoding(tf.range(num_positions), embedding.d_model, "float32").numpy()
+    positions_spec.encodings = positional_encoding(tf.range(num_positions), embedding.d_model, "float32",
+                                                   embedding.sinusoid_layout).numpy()
 
 
 def transformer_spec_of(model, pieces, num_positions):
@@ -209,6 +210,9 @@ def transformer_spec_of(model, pieces, num_positions):
         raise ValueError(f"A model with key_dim={model.key_dim} (d_k apart from d_model // num_heads = "
                          f"{model.d_model // model.num_heads}) is not converted: CTranslate2's heads are d_model / "
                          "num_heads wide for queries, keys and values alike.")
+    if model.activation != "relu":
+        raise ValueError(f"A model with activation={model.activation!r} is not converted: this converter writes "
+                         "the paper's ReLU feed-forward networks only.")
     from ctranslate2.specs import transformer_spec
 
     if model.learned_positions:

@@ -57,8 +57,8 @@ class DecoderLayer(TransformerLayerBase):
 
     Args:
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout, key_dim: as in `EncoderLayer` (`key_dim` sizes
-            the queries and keys of both attentions).
+            activation_dropout, key_dim, activation: as in `EncoderLayer`
+            (`key_dim` sizes the queries and keys of both attentions).
         use_cross_attention: attend to an encoder output (the paper's
             decoder). False for a decoder-only model: the layer is then
             called without `encoder_output`. Fixed at construction (and saved
@@ -120,7 +120,8 @@ class DecoderLayer(TransformerLayerBase):
             self.cross_attention = self._attention("cross_attention")
             self.cross_attention_norm = layer_norm(self.dtype_policy, "cross_attention_norm")
         self.feed_forward = FeedForward(
-            d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
+            d_model, d_ff, dropout=self.activation_dropout, activation=self.activation, dtype=self.dtype_policy,
+            name="feed_forward"
         )
         self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
@@ -233,7 +234,8 @@ class Decoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, use_cross_attention,
-            attention_dropout, activation_dropout, key_dim: as in `DecoderLayer`.
+            attention_dropout, activation_dropout, key_dim, activation: as in
+            `DecoderLayer`.
 
     Shapes:
         call(x `[batch, target_len, d_model]`, encoder_output

@@ -9,28 +9,47 @@ from keras_transformer.masking import PAD_ID
 from keras_transformer.renamed import renamed_arguments
 
 
-def positional_encoding(positions, d_model, dtype="float32"):
+# How the sinusoids are laid out along d_model: "interleaved", the paper's (sin in the even columns, cos in the
+# odd ones), or "halves", Marian's and OPUS-MT's (the sin of every frequency, then the cos of every frequency).
+SINUSOID_LAYOUTS = ("interleaved", "halves")
+
+
+def positional_encoding(positions, d_model, dtype="float32", layout="interleaved"):
     """The paper's sinusoidal encoding (section 3.5) at the given positions.
 
     PE(pos, 2i)   = sin(pos / 10000^(2i / d_model))
     PE(pos, 2i+1) = cos(pos / 10000^(2i / d_model))
 
+    With `layout="halves"` the same values sit in another order, Marian's: column i holds the sin of
+    frequency i and column d_model/2 + i its cos, for i < d_model/2.
+
     Args:
         positions: int tensor `[length]`.
         d_model: even model width.
         dtype: dtype of the result.
+        layout: "interleaved" (default, the paper's) or "halves" (`SINUSOID_LAYOUTS`).
 
     Returns:
         `[length, d_model]` tensor.
     """
     if d_model % 2:
         raise ValueError(f"positional_encoding needs an even d_model, got d_model={d_model}.")
+    check_sinusoid_layout(layout, "positional_encoding")
     positions = ops.cast(positions, "float32")[:, None]
     two_i = ops.arange(0, d_model, 2, dtype="float32")[None, :]
     angles = positions / ops.power(10000.0, two_i / d_model)
-    # Interleave so that even columns hold sin and odd columns cos.
-    encoding = ops.reshape(ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1), (-1, d_model))
+    if layout == "halves":
+        encoding = ops.concatenate([ops.sin(angles), ops.cos(angles)], axis=-1)
+    else:  # interleave, so that even columns hold sin and odd columns cos
+        encoding = ops.reshape(ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1), (-1, d_model))
     return ops.cast(encoding, dtype)
+
+
+def check_sinusoid_layout(layout, owner):
+    """A ValueError naming `owner` unless `layout` is one of `SINUSOID_LAYOUTS`."""
+    if layout not in SINUSOID_LAYOUTS:
+        raise ValueError(f"{owner}: sinusoid_layout must be one of {', '.join(map(repr, SINUSOID_LAYOUTS))}, "
+                         f"got {layout!r}.")
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -51,6 +70,9 @@ class PositionalEmbedding(keras.layers.Layer):
             raise an error that names max_positions. `max_length=` is its old
             name, still accepted (with a `DeprecationWarning`; a saved
             configuration with "max_length" loads without one).
+        sinusoid_layout: the sinusoids' order along d_model: "interleaved"
+            (default, the paper's) or "halves" (Marian's: every sin, then
+            every cos; see `positional_encoding`). Learned positions have none.
 
     Shapes:
         call(token_ids `[batch, length]`, start_index=0) -> `[batch, length, d_model]`.
@@ -76,9 +98,11 @@ class PositionalEmbedding(keras.layers.Layer):
         dropout=0.0,
         learned_positions=False,
         max_positions=None,
+        sinusoid_layout="interleaved",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        check_sinusoid_layout(sinusoid_layout, type(self).__name__)
         if learned_positions and not max_positions:
             raise ValueError("PositionalEmbedding(learned_positions=True) needs max_positions.")
         if not learned_positions and d_model % 2:
@@ -88,6 +112,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self.dropout = dropout
         self.learned_positions = learned_positions
         self.max_positions = max_positions
+        self.sinusoid_layout = sinusoid_layout
         self.token_embedding = keras.layers.Embedding(
             vocab_size,
             d_model,
@@ -122,7 +147,7 @@ class PositionalEmbedding(keras.layers.Layer):
             self._check_within_table(start_index, length)
             x = x + self.position_embedding(positions)[None]
         else:
-            x = x + positional_encoding(positions, self.d_model, self.compute_dtype)[None]
+            x = x + positional_encoding(positions, self.d_model, self.compute_dtype, self.sinusoid_layout)[None]
         return self.dropout_layer(x, training=training)
 
     def _check_within_table(self, start_index, length):
@@ -156,6 +181,7 @@ class PositionalEmbedding(keras.layers.Layer):
             "dropout": self.dropout,
             "learned_positions": self.learned_positions,
             "max_positions": self.max_positions,
+            "sinusoid_layout": self.sinusoid_layout,
         }
 
     @classmethod

@@ -30,6 +30,9 @@ class EncoderLayer(TransformerLayerBase):
             `[d_model, num_heads, key_dim]`, W^V `[d_model, num_heads,
             d_model // num_heads]`, and the scores are scaled by
             1 / sqrt(key_dim).
+        activation: the feed-forward network's activation, the name of a
+            Keras activation (keyword only): "relu" (default, the paper's),
+            "silu"/"swish" (Marian's), "gelu", ... (`FeedForward`).
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`
@@ -58,7 +61,8 @@ class EncoderLayer(TransformerLayerBase):
         self.self_attention = self._attention("self_attention")
         self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
         self.feed_forward = FeedForward(
-            d_model, d_ff, dropout=self.activation_dropout, dtype=self.dtype_policy, name="feed_forward"
+            d_model, d_ff, dropout=self.activation_dropout, activation=self.activation, dtype=self.dtype_policy,
+            name="feed_forward"
         )
         self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
@@ -103,7 +107,7 @@ class Encoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout, key_dim: as in `EncoderLayer`.
+            activation_dropout, key_dim, activation: as in `EncoderLayer`.
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`)

@@ -3,19 +3,21 @@
 import keras
 
 from keras_transformer.attention import MultiHeadAttention, head_size
+from keras_transformer.feed_forward import activation_function
 from keras_transformer.residual import layer_norm
 
 
 class TransformerLayerBase(keras.layers.Layer):
-    """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout, activation_dropout and
-    key_dim (see `EncoderLayer` for their meaning).
+    """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout, activation_dropout,
+    key_dim and activation (see `EncoderLayer` for their meaning).
 
     Output shape = the shape of the first input (every sub-layer keeps `[batch, length, d_model]`).
     """
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, *, attention_dropout=0.0,
-                 activation_dropout=0.0, key_dim=None, **kwargs):
+                 activation_dropout=0.0, key_dim=None, activation="relu", **kwargs):
         super().__init__(**kwargs)
+        activation_function(activation, type(self).__name__)
         for name, rate in (("dropout", dropout), ("attention_dropout", attention_dropout),
                            ("activation_dropout", activation_dropout)):
             if not 0.0 <= rate < 1.0:
@@ -32,6 +34,7 @@ class TransformerLayerBase(keras.layers.Layer):
         self.norm_first = norm_first
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
+        self.activation = activation
         self.supports_masking = True
 
     def _attention(self, name):
@@ -56,6 +59,7 @@ class TransformerLayerBase(keras.layers.Layer):
             "attention_dropout": self.attention_dropout,
             "activation_dropout": self.activation_dropout,
             "key_dim": self.key_dim,
+            "activation": self.activation,
         }
 
 
@@ -71,7 +75,8 @@ class TransformerStackBase(TransformerLayerBase):
         return [
             layer_class(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
                         attention_dropout=self.attention_dropout, activation_dropout=self.activation_dropout,
-                        key_dim=self.key_dim, dtype=self.dtype_policy, name=f"layer_{i}", **kwargs)
+                        key_dim=self.key_dim, activation=self.activation, dtype=self.dtype_policy,
+                        name=f"layer_{i}", **kwargs)
             for i in range(self.num_layers)
         ]
 

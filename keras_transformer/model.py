@@ -69,6 +69,11 @@ class Transformer(keras.Model):
         key_dim: d_k, every attention's query and key size per head. None
             (default): d_model // num_heads, the paper's. The value size per
             head d_v stays d_model // num_heads (paper table 3, rows B).
+        activation: the feed-forward networks' activation, the name of a Keras
+            activation: "relu" (default, the paper's max(0, .)), "silu" or
+            "swish" (Marian's, OPUS-MT's), "gelu", ...
+        sinusoid_layout: the sinusoids' order along d_model: "interleaved"
+            (default, the paper's) or "halves" (Marian's; `positional_encoding`).
 
     Shapes:
         call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
@@ -107,6 +112,8 @@ class Transformer(keras.Model):
         attention_dropout=0.0,
         activation_dropout=0.0,
         key_dim=None,
+        activation="relu",
+        sinusoid_layout="interleaved",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -135,10 +142,13 @@ class Transformer(keras.Model):
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
         self.key_dim = key_dim
+        self.activation = activation
+        self.sinusoid_layout = sinusoid_layout
 
         def embedding(size, name):
             return PositionalEmbedding(
-                size, d_model, dropout, learned_positions, max_positions, dtype=self.dtype_policy, name=name
+                size, d_model, dropout, learned_positions, max_positions, sinusoid_layout=sinusoid_layout,
+                dtype=self.dtype_policy, name=name
             )
 
         if vocab_size is not None:
@@ -150,7 +160,7 @@ class Transformer(keras.Model):
         layer_args = dict(
             d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first,
             attention_dropout=attention_dropout, activation_dropout=activation_dropout, key_dim=key_dim,
-            dtype=self.dtype_policy,
+            activation=activation, dtype=self.dtype_policy,
         )
         self.encoder = Encoder(num_encoder_layers, name="encoder", **layer_args)
         self.decoder = Decoder(num_decoder_layers, name="decoder", **layer_args)
@@ -415,6 +425,8 @@ class Transformer(keras.Model):
             "attention_dropout": self.attention_dropout,
             "activation_dropout": self.activation_dropout,
             "key_dim": self.key_dim,
+            "activation": self.activation,
+            "sinusoid_layout": self.sinusoid_layout,
         }
 
     @classmethod

@@ -210,10 +210,12 @@ def _step_by_step_logits(model, source, target):
     return np.stack(steps, axis=1)
 
 
-@pytest.mark.parametrize("kwargs", [{}, dict(norm_first=True, tie_output_embedding=False), dict(key_dim=3)])
+@pytest.mark.parametrize("kwargs", [{}, dict(norm_first=True, tie_output_embedding=False), dict(key_dim=3),
+                                    dict(activation="silu", sinusoid_layout="halves")])
 def test_the_step_equals_the_full_pass(kwargs):
     """Post-norm with a tied projection, pre-norm (a final norm) with an untied one, queries and keys 3 wide a
-    head beside values 8 wide (`key_dim`); the uncached reference too."""
+    head beside values 8 wide (`key_dim`), Marian's SiLU feed-forward networks and sinusoid layout; the uncached
+    reference too."""
     rng = np.random.default_rng(2)
     model = kt.Transformer.from_preset("tiny", vocab_size=40, **kwargs)
     model.build()

@@ -1,6 +1,7 @@
 """The positional encoding, the learning-rate schedule and the model size, against the paper."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,25 @@ def test_positional_encoding_formula(pos, i):
     assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
 
 
+@pytest.mark.parametrize("pos", [0, 1, 50, 311])
+@pytest.mark.parametrize("i", [0, 5, 255])
+def test_the_halves_layout_holds_the_same_sinusoids_every_sin_then_every_cos(pos, i):
+    """Marian's layout: column i is the sin of frequency i, column d_model/2 + i its cos."""
+    d_model = 512
+    table = to_numpy(kt.positional_encoding(np.arange(400), d_model, layout="halves"))
+    angle = pos / 10000 ** (2 * i / d_model)
+    assert table[pos, i] == pytest.approx(math.sin(angle), abs=1e-5)
+    assert table[pos, d_model // 2 + i] == pytest.approx(math.cos(angle), abs=1e-5)
+    embedding = kt.PositionalEmbedding(vocab_size=10, d_model=8, sinusoid_layout="halves")
+    ids = np.array([[3, 4, 0]])
+    expected = (to_numpy(embedding.token_embedding(ids))[0] * math.sqrt(8)
+                + to_numpy(kt.positional_encoding(np.arange(3), 8, layout="halves")))
+    np.testing.assert_allclose(to_numpy(embedding(ids))[0], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="PositionalEmbedding: sinusoid_layout must be one of 'interleaved', "
+                                         "'halves', got 'cos-first'"):
+        kt.PositionalEmbedding(vocab_size=10, d_model=8, sinusoid_layout="cos-first")
+
+
 def test_embedding_is_scaled_tokens_plus_encoding():
     layer = kt.PositionalEmbedding(vocab_size=10, d_model=8)
     ids = np.array([[3, 4, 5, 0]])
@@ -29,6 +49,31 @@ def test_embedding_is_scaled_tokens_plus_encoding():
     np.testing.assert_array_equal(to_numpy(layer.compute_mask(ids)), ids != 0)
     # Decoding one step at position 2 sees the same encoding as the full pass.
     np.testing.assert_allclose(to_numpy(layer(ids[:, 2:3], start_index=2))[0, 0], out[0, 2], atol=1e-5)
+
+
+@pytest.mark.parametrize("activation,f", [
+    ("relu", lambda h: np.maximum(h, 0.0)),  # the paper's equation 2
+    ("silu", lambda h: h / (1.0 + np.exp(-h))),  # Marian's swish: x * sigmoid(x)
+    ("swish", lambda h: h / (1.0 + np.exp(-h))),
+])
+def test_the_feed_forward_network_is_f_of_x_w1_plus_b1_times_w2_plus_b2(activation, f):
+    """FFN(x) = f(x W_1 + b_1) W_2 + b_2 at every position, from the layer's own weights (biases made nonzero)."""
+    rng = np.random.default_rng(3)
+    layer = kt.FeedForward(d_model=8, d_ff=16, activation=activation)
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    layer.build(x.shape)
+    for dense in (layer.inner, layer.outer):
+        dense.bias.assign(rng.normal(size=dense.bias.shape).astype("float32"))
+    w1, b1, w2, b2 = (to_numpy(w) for w in (layer.inner.kernel, layer.inner.bias, layer.outer.kernel,
+                                             layer.outer.bias))
+    np.testing.assert_allclose(to_numpy(layer(x)), f(x @ w1 + b1) @ w2 + b2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["not_an_activation", None, 3])
+def test_an_activation_keras_does_not_name_is_refused_naming_the_value(activation):
+    with pytest.raises(ValueError, match=r"activation must be the name of a Keras activation .* got " +
+                       re.escape(repr(activation))):
+        kt.Transformer.from_preset("tiny", vocab_size=10, activation=activation)
 
 
 def test_learned_positions_add_a_table():

@@ -62,6 +62,32 @@ def test_a_transformer_with_its_own_key_size_saves_and_loads(tmp_path):
     assert kt.Transformer.from_config(old).encoder.encoder_layers[0].self_attention.key_dim == 8
 
 
+def test_a_transformer_with_marians_activation_and_sinusoids_saves_and_loads_and_an_older_config_is_the_papers(
+        tmp_path):
+    """activation="silu" reaches every feed-forward network of both stacks, sinusoid_layout="halves" both
+    embeddings; the .keras file keeps them (the same outputs), and a configuration saved before the options
+    (neither key) builds the paper's ReLU and interleaved sinusoids."""
+    rng = np.random.default_rng(5)
+    source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
+    model = kt.Transformer.from_preset("tiny", source_vocab_size=VOCAB, target_vocab_size=VOCAB + 3,
+                                       activation="silu", sinusoid_layout="halves")
+    before = to_numpy(model((source, target)))
+    layers = model.encoder.encoder_layers + model.decoder.decoder_layers
+    assert [layer.feed_forward.activation for layer in layers] == ["silu"] * len(layers)
+    assert model.source_embedding.sinusoid_layout == model.target_embedding.sinusoid_layout == "halves"
+    model.save(tmp_path / "a.keras")
+    loaded = keras.models.load_model(tmp_path / "a.keras")
+    assert (loaded.activation, loaded.sinusoid_layout) == ("silu", "halves")
+    assert loaded.get_config() == model.get_config()
+    np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
+    config = model.get_config()
+    del config["activation"], config["sinusoid_layout"]
+    older = kt.Transformer.from_config(config)
+    assert (older.activation, older.sinusoid_layout) == ("relu", "interleaved")
+    assert older.decoder.decoder_layers[0].feed_forward.activation == "relu"
+    assert older.target_embedding.sinusoid_layout == "interleaved"
+
+
 def test_compiled_transformer_reloads_with_loss_metric_and_schedule(tmp_path, tiny_model):
     tiny_model.compile(
         optimizer=kt.paper_adam(32, warmup_steps=10),
@@ -84,10 +110,12 @@ LAYERS = [
     (kt.PositionalEmbedding, dict(vocab_size=VOCAB, d_model=D_MODEL, learned_positions=True, max_positions=9)),
     (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF)),
     (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF, dropout=0.2)),
+    (kt.FeedForward, dict(d_model=D_MODEL, d_ff=D_FF, activation="silu")),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3, norm_first=True)),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, attention_dropout=0.1, activation_dropout=0.2)),
     (kt.EncoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, key_dim=3)),
     (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, key_dim=5)),
+    (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, activation="gelu")),
     (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3)),
     (kt.Encoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF)),
     (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, norm_first=True)),
@@ -95,6 +123,7 @@ LAYERS = [
                       activation_dropout=0.2, use_cross_attention=False)),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"])),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], key_dim=3)),
+    (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], activation="swish", sinusoid_layout="halves")),
     (kt.Transformer, dict(source_vocab_size=11, target_vocab_size=13, d_model=16, num_heads=2, d_ff=8,
                           num_encoder_layers=1, num_decoder_layers=3, tie_output_embedding=False)),
 ]
