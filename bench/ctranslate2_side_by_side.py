@@ -210,9 +210,10 @@ def transformer_spec_of(model, pieces, num_positions):
         raise ValueError(f"A model with key_dim={model.key_dim} (d_k apart from d_model // num_heads = "
                          f"{model.d_model // model.num_heads}) is not converted: CTranslate2's heads are d_model / "
                          "num_heads wide for queries, keys and values alike.")
-    if model.activation != "relu":
-        raise ValueError(f"A model with activation={model.activation!r} is not converted: this converter writes "
-                         "the paper's ReLU feed-forward networks only.")
+    if model.activation != "relu" or model.output_bias:
+        raise ValueError(f"A model with activation={model.activation!r} or output_bias={model.output_bias} is not "
+                         "converted: this converter writes the paper's ReLU feed-forward networks and an output "
+                         "projection without a bias only.")
     from ctranslate2.specs import transformer_spec
 
     if model.learned_positions:

@@ -33,10 +33,10 @@ def engine_model(model, dtype=None, untie_output_projection=False, output_blocks
             None: `model`'s own.
         untie_output_projection: a tied output projection (the target embedding, `[vocab, d_model]`)
             becomes an untied `Dense` whose kernel is the embedding transposed, `[d_model, vocab]`,
-            and whose bias is 0. The logits are the same products, x E^T. XLA's CPU matmul and oneDNN's
-            both read them faster from `[d_model, vocab]` than from the embedding's `[vocab, d_model]`,
-            with the same tokens (docs/design.md, "How the engine stores its weights"). It costs the export
-            one more `[d_model, vocab]` variable for each decoder.
+            and whose bias is 0, or the model's `output_bias` weight. The logits are the same products,
+            x E^T (+ b). XLA's CPU matmul and oneDNN's both read them faster from `[d_model, vocab]` than
+            from the embedding's `[vocab, d_model]`, with the same tokens (docs/design.md, "How the engine
+            stores its weights"). It costs the export one more `[d_model, vocab]` variable for each decoder.
         output_blocks: the untied output projection as this many column blocks (`ColumnBlocks`): the
             graph decoder passes its number of decoding loops, the inter-op threads it is served on.
             1 (default): one `Dense`.
@@ -57,7 +57,7 @@ def engine_model(model, dtype=None, untie_output_projection=False, output_blocks
                          f"untie_output_projection=True); got {output_blocks}")
     if dtype == model.dtype_policy.name and not untie and output_blocks == 1:
         return model
-    overrides = {"dtype": dtype, **({"tie_output_embedding": False} if untie else {})}
+    overrides = {"dtype": dtype, **({"tie_output_embedding": False, "output_bias": False} if untie else {})}
     copy = type(model).from_config(model.get_config() | overrides)
     copy.build()
     values = {path: _numpy(variable) for path, variable in _weights_by_path(model).items()}
@@ -65,7 +65,10 @@ def engine_model(model, dtype=None, untie_output_projection=False, output_blocks
         embeddings = _relative_path(model.target_embedding.token_embedding.embeddings, model)
         projection = copy.output_projection
         values[_relative_path(projection.kernel, copy)] = np.transpose(values[embeddings])
-        values[_relative_path(projection.bias, copy)] = np.zeros(projection.bias.shape, values[embeddings].dtype)
+        bias = model.logits_bias  # the tied projection's bias (`output_bias=True`), the Dense's then
+        values[_relative_path(projection.bias, copy)] = (
+            np.zeros(projection.bias.shape, values[embeddings].dtype) if bias is None
+            else values.pop(_relative_path(bias, model)))
     assign_by_path(copy, values)
     if output_blocks > 1:
         # Set after the weights are mapped by path: the blocks are the engine's layout, not the model's.

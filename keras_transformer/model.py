@@ -74,6 +74,11 @@ class Transformer(keras.Model):
             "swish" (Marian's, OPUS-MT's), "gelu", ...
         sinusoid_layout: the sinusoids' order along d_model: "interleaved"
             (default, the paper's) or "halves" (Marian's; `positional_encoding`).
+        output_bias: a bias `[target_vocab]` added to the tied output
+            projection's logits, x E^T + b (Marian's `final_logits_bias`;
+            zeros when built). Not in the paper: False (default). An untied
+            projection (`tie_output_embedding=False`) is a `Dense` with its
+            own bias, and refuses the option.
 
     Shapes:
         call((source_ids `[batch, source_len]`, target_ids `[batch, target_len]`))
@@ -114,6 +119,7 @@ class Transformer(keras.Model):
         key_dim=None,
         activation="relu",
         sinusoid_layout="interleaved",
+        output_bias=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -126,6 +132,9 @@ class Transformer(keras.Model):
                 f"target_vocab_size={target_vocab_size}."
             )
         head_size(d_model, num_heads)
+        if output_bias and not tie_output_embedding:
+            raise ValueError("Transformer(output_bias=True) adds a bias to the tied output projection; an untied one "
+                             "(tie_output_embedding=False) is a Dense layer with its own bias.")
         self.vocab_size = vocab_size
         self.source_vocab_size = source_vocab_size
         self.target_vocab_size = target_vocab_size
@@ -144,6 +153,8 @@ class Transformer(keras.Model):
         self.key_dim = key_dim
         self.activation = activation
         self.sinusoid_layout = sinusoid_layout
+        self.output_bias = output_bias
+        self.logits_bias = None  # the output_bias weight, made in build()
 
         def embedding(size, name):
             return PositionalEmbedding(
@@ -192,6 +203,9 @@ class Transformer(keras.Model):
         self.decoder.build(hidden_shape, hidden_shape)
         if self.output_projection is not None:
             self.output_projection.build(hidden_shape)
+        if self.output_bias and self.logits_bias is None:
+            self.logits_bias = self.add_weight(shape=(self.target_vocab_size or self.vocab_size,),
+                                               initializer="zeros", name="output_bias")
         self.built = True
 
     def _build_once(self):
@@ -291,6 +305,8 @@ class Transformer(keras.Model):
             shape = ops.shape(x)
             logits = ops.matmul(ops.reshape(x, (-1, shape[-1])), ops.transpose(embeddings))
             logits = ops.reshape(logits, (*shape[:-1], embeddings.shape[0]))
+            if self.logits_bias is not None:
+                logits = logits + ops.cast(self.logits_bias, logits.dtype)
         # float32 logits keep softmax and the loss exact under mixed precision.
         return ops.cast(logits, "float32")
 
@@ -427,6 +443,7 @@ class Transformer(keras.Model):
             "key_dim": self.key_dim,
             "activation": self.activation,
             "sinusoid_layout": self.sinusoid_layout,
+            "output_bias": self.output_bias,
         }
 
     @classmethod

@@ -71,10 +71,10 @@ def test_bench_script_help(script, help_runs):
     assert USAGE.search(output), f"bench/{script.name} --help printed no usage line:\n{output[-2000:]}"
 
 
-def test_the_ctranslate2_converter_refuses_a_key_size_apart_from_the_value_size_and_another_activation():
+def test_the_ctranslate2_converter_refuses_a_key_size_apart_from_the_value_size_and_marians_options():
     """CTranslate2's heads are d_model / num_heads wide for queries, keys and values alike: a model with another
-    `key_dim` is refused by name before any conversion (ctranslate2 need not be installed), as is an activation
-    other than ReLU (the converter writes none); the paper's passes."""
+    `key_dim` is refused by name before any conversion (ctranslate2 need not be installed), as are an activation
+    other than ReLU and a bias on the output projection (the converter writes neither); the paper's passes."""
     import keras_transformer as kt
 
     if str(REPO) not in sys.path:
@@ -84,8 +84,10 @@ def test_the_ctranslate2_converter_refuses_a_key_size_apart_from_the_value_size_
     model = kt.Transformer.from_preset("tiny", vocab_size=20, key_dim=3)
     with pytest.raises(ValueError, match=r"key_dim=3 \(d_k apart from d_model // num_heads = 8\) is not converted"):
         transformer_spec_of(model, ["<pad>"] * 20, 16)
-    with pytest.raises(ValueError, match=r"activation='silu' is not converted"):
-        transformer_spec_of(kt.Transformer.from_preset("tiny", vocab_size=20, activation="silu"), ["<pad>"] * 20, 16)
+    for marian, named in ((dict(activation="silu"), "activation='silu' or"),
+                          (dict(output_bias=True), "output_bias=True")):
+        with pytest.raises(ValueError, match=f"{named}.* is not converted"):
+            transformer_spec_of(kt.Transformer.from_preset("tiny", vocab_size=20, **marian), ["<pad>"] * 20, 16)
     paper = kt.Transformer.from_preset("tiny", vocab_size=20, key_dim=8)  # d_model // num_heads, given
     paper.build()
     try:

@@ -86,15 +86,8 @@ def test_the_engine_decodes_what_the_library_decodes_on_the_copy_task(copy_model
     assert ((tokens == END).sum(axis=1) == 1).all()  # every output ended: the comparison is not of limits
 
 
-def test_the_engine_serves_a_key_size_apart_from_the_value_size():
-    """A model whose queries and keys are 3 wide a head and values 8 (`key_dim=3`, the paper's table 3, rows B):
-    the engine's copy (`engine_model`, as `Translator` makes it: untied, in column blocks) keeps the key size and
-    every weight, and its greedy and beam searches decode what the library decodes on the model itself."""
-    model = random_model(4, key_dim=3)
-    copy = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
-    assert copy is not model and copy.key_dim == 3
-    key, value = copy.decoder.decoder_layers[0].self_attention.projections[1:3]
-    assert (key.kernel.shape, value.kernel.shape) == ((32, 4, 3), (32, 4, 8))
+def _assert_engine_copy_decodes_what_the_library_decodes(model, copy):
+    """The engine's greedy and beam searches on `copy` decode what the library's decode on `model`."""
     source = random_ids(np.random.default_rng(4), 6, 7, high=24)
     source[2, 4:] = 0
     for library, engine in ((lambda s: kt.greedy_decode(model, s, START, END, max_output_length=9),
@@ -105,6 +98,34 @@ def test_the_engine_serves_a_key_size_apart_from_the_value_size():
         engine_tokens, engine_scores = tf.function(engine)(source)
         np.testing.assert_array_equal(trimmed(engine_tokens), trimmed(library_tokens))
         np.testing.assert_allclose(np.asarray(engine_scores), np.asarray(library_scores), rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_serves_a_key_size_apart_from_the_value_size():
+    """A model whose queries and keys are 3 wide a head and values 8 (`key_dim=3`, the paper's table 3, rows B):
+    the engine's copy (`engine_model`, as `Translator` makes it: untied, in column blocks) keeps the key size and
+    every weight, and its greedy and beam searches decode what the library decodes on the model itself."""
+    model = random_model(4, key_dim=3)
+    copy = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
+    assert copy is not model and copy.key_dim == 3
+    key, value = copy.decoder.decoder_layers[0].self_attention.projections[1:3]
+    assert (key.kernel.shape, value.kernel.shape) == ((32, 4, 3), (32, 4, 8))
+    _assert_engine_copy_decodes_what_the_library_decodes(model, copy)
+
+
+def test_the_engine_serves_marians_shape_with_the_output_bias_in_its_untied_projection():
+    """SiLU feed-forward networks, sinusoids in halves and a bias on the tied output projection (Marian's): the
+    engine's untied copy holds the embedding transposed and the model's bias (random, nonzero) in its column
+    blocks, and decodes what the library decodes."""
+    model = random_model(5, activation="silu", sinusoid_layout="halves", output_bias=True)
+    bias = model.logits_bias.numpy()
+    assert np.abs(bias).min() > 0
+    copy = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
+    assert (copy.activation, copy.sinusoid_layout, copy.output_bias, copy.logits_bias) == (
+        "silu", "halves", False, None)
+    np.testing.assert_array_equal(np.concatenate([b.numpy() for b in copy.output_projection.biases]), bias)
+    x = np.random.default_rng(6).normal(size=(3, 32)).astype("float32")
+    np.testing.assert_allclose(copy.project(x).numpy(), model.project(x).numpy(), rtol=1e-5, atol=1e-5)
+    _assert_engine_copy_decodes_what_the_library_decodes(model, copy)
 
 
 @pytest.mark.parametrize("n_best", [1, 3, 4])

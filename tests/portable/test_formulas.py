@@ -76,6 +76,21 @@ def test_an_activation_keras_does_not_name_is_refused_naming_the_value(activatio
         kt.Transformer.from_preset("tiny", vocab_size=10, activation=activation)
 
 
+def test_the_output_bias_is_added_to_the_tied_projections_logits():
+    """output_bias=True: logits = x E^T + b, E the target embedding and b the model's `output_bias` weight;
+    an untied projection (a Dense with its own bias) refuses the option."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=12, output_bias=True)
+    model.build()
+    rng = np.random.default_rng(7)
+    bias = rng.normal(size=(12,)).astype("float32")
+    model.logits_bias.assign(bias)
+    x = rng.normal(size=(2, 3, 32)).astype("float32")
+    embeddings = to_numpy(model.target_embedding.token_embedding.embeddings)
+    np.testing.assert_allclose(to_numpy(model.project(x)), x @ embeddings.T + bias, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"output_bias=True\) adds a bias to the tied output projection"):
+        kt.Transformer.from_preset("tiny", vocab_size=12, output_bias=True, tie_output_embedding=False)
+
+
 def test_learned_positions_add_a_table():
     layer = kt.PositionalEmbedding(vocab_size=10, d_model=8, learned_positions=True, max_positions=16)
     ids = np.array([[3, 4, 5]])

@@ -62,28 +62,30 @@ def test_a_transformer_with_its_own_key_size_saves_and_loads(tmp_path):
     assert kt.Transformer.from_config(old).encoder.encoder_layers[0].self_attention.key_dim == 8
 
 
-def test_a_transformer_with_marians_activation_and_sinusoids_saves_and_loads_and_an_older_config_is_the_papers(
-        tmp_path):
+def test_a_transformer_of_marians_shape_saves_and_loads_and_an_older_config_is_the_papers(tmp_path):
     """activation="silu" reaches every feed-forward network of both stacks, sinusoid_layout="halves" both
-    embeddings; the .keras file keeps them (the same outputs), and a configuration saved before the options
-    (neither key) builds the paper's ReLU and interleaved sinusoids."""
+    embeddings, output_bias=True adds a weight (set nonzero); the .keras file keeps them (the same outputs), and a
+    configuration saved before the options (none of the keys) builds the paper's ReLU, interleaved sinusoids and
+    no bias."""
     rng = np.random.default_rng(5)
     source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
     model = kt.Transformer.from_preset("tiny", source_vocab_size=VOCAB, target_vocab_size=VOCAB + 3,
-                                       activation="silu", sinusoid_layout="halves")
+                                       activation="silu", sinusoid_layout="halves", output_bias=True)
+    model.build()
+    model.logits_bias.assign(np.random.default_rng(6).normal(size=(VOCAB + 3,)).astype("float32"))
     before = to_numpy(model((source, target)))
     layers = model.encoder.encoder_layers + model.decoder.decoder_layers
     assert [layer.feed_forward.activation for layer in layers] == ["silu"] * len(layers)
     assert model.source_embedding.sinusoid_layout == model.target_embedding.sinusoid_layout == "halves"
     model.save(tmp_path / "a.keras")
     loaded = keras.models.load_model(tmp_path / "a.keras")
-    assert (loaded.activation, loaded.sinusoid_layout) == ("silu", "halves")
+    assert (loaded.activation, loaded.sinusoid_layout, loaded.output_bias) == ("silu", "halves", True)
     assert loaded.get_config() == model.get_config()
     np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
     config = model.get_config()
-    del config["activation"], config["sinusoid_layout"]
+    del config["activation"], config["sinusoid_layout"], config["output_bias"]
     older = kt.Transformer.from_config(config)
-    assert (older.activation, older.sinusoid_layout) == ("relu", "interleaved")
+    assert (older.activation, older.sinusoid_layout, older.output_bias) == ("relu", "interleaved", False)
     assert older.decoder.decoder_layers[0].feed_forward.activation == "relu"
     assert older.target_embedding.sinusoid_layout == "interleaved"
 
@@ -123,7 +125,8 @@ LAYERS = [
                       activation_dropout=0.2, use_cross_attention=False)),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"])),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], key_dim=3)),
-    (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], activation="swish", sinusoid_layout="halves")),
+    (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"], activation="swish", sinusoid_layout="halves",
+                          output_bias=True)),
     (kt.Transformer, dict(source_vocab_size=11, target_vocab_size=13, d_model=16, num_heads=2, d_ff=8,
                           num_encoder_layers=1, num_decoder_layers=3, tie_output_embedding=False)),
 ]
