@@ -127,7 +127,6 @@ from common import run_dir  # noqa: E402
 from common.run_dir import TOKENIZER_FILENAME, tokenizer_path  # noqa: E402
 from export.translator import load_model_dir  # noqa: E402
 from keras_transformer.embedding import positional_encoding  # noqa: E402
-from keras_transformer.residual import LAYER_NORM_EPSILON  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, read_lines  # noqa: E402
 from common.tokenizer import encode_source
 
@@ -225,7 +224,7 @@ def transformer_spec_of(model, pieces, num_positions):
         transformer_spec.TransformerDecoderSpec(len(decoder_layers), model.num_heads, pre_norm=model.norm_first),
     )
     config = spec.config
-    config.layer_norm_epsilon = LAYER_NORM_EPSILON
+    config.layer_norm_epsilon = model.layer_norm_epsilon
     config.unk_token, config.bos_token, config.eos_token = pieces[UNK_ID], pieces[START_ID], pieces[END_ID]
     config.decoder_start_token = pieces[START_ID]
     config.add_source_bos, config.add_source_eos = False, True  # source = pieces + [END_ID]

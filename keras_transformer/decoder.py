@@ -7,7 +7,7 @@ from keras_transformer.attention import attention_spec
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
 from keras_transformer.masking import causal_mask, first_mask
-from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
+from keras_transformer.residual import add_and_norm_after, norm_before
 
 
 def _check_encoder_inputs(layer, encoder_output, encoder_padding_mask=None, cross_attention_cache=None):
@@ -57,8 +57,9 @@ class DecoderLayer(TransformerLayerBase):
 
     Args:
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout, key_dim, activation: as in `EncoderLayer`
-            (`key_dim` sizes the queries and keys of both attentions).
+            activation_dropout, key_dim, activation, layer_norm_epsilon: as in
+            `EncoderLayer` (`key_dim` sizes the queries and keys of both
+            attentions).
         use_cross_attention: attend to an encoder output (the paper's
             decoder). False for a decoder-only model: the layer is then
             called without `encoder_output`. Fixed at construction (and saved
@@ -113,17 +114,17 @@ class DecoderLayer(TransformerLayerBase):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.use_cross_attention = use_cross_attention
         self.self_attention = self._attention("self_attention")
-        self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
+        self.self_attention_norm = self._norm("self_attention_norm")
         # Same attributes as before the option: a .keras file stores the weights under these names.
         self.cross_attention = self.cross_attention_norm = None
         if use_cross_attention:
             self.cross_attention = self._attention("cross_attention")
-            self.cross_attention_norm = layer_norm(self.dtype_policy, "cross_attention_norm")
+            self.cross_attention_norm = self._norm("cross_attention_norm")
         self.feed_forward = FeedForward(
             d_model, d_ff, dropout=self.activation_dropout, activation=self.activation, dtype=self.dtype_policy,
             name="feed_forward"
         )
-        self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
+        self.feed_forward_norm = self._norm("feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
 
     def build(self, x_shape, encoder_output_shape=None):
@@ -234,8 +235,8 @@ class Decoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, use_cross_attention,
-            attention_dropout, activation_dropout, key_dim, activation: as in
-            `DecoderLayer`.
+            attention_dropout, activation_dropout, key_dim, activation,
+            layer_norm_epsilon: as in `DecoderLayer`.
 
     Shapes:
         call(x `[batch, target_len, d_model]`, encoder_output

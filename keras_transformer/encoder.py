@@ -6,7 +6,7 @@ from keras_transformer.attention import attention_spec
 from keras_transformer.feed_forward import FeedForward
 from keras_transformer.layer_base import TransformerLayerBase, TransformerStackBase
 from keras_transformer.masking import first_mask
-from keras_transformer.residual import add_and_norm_after, layer_norm, norm_before
+from keras_transformer.residual import add_and_norm_after, norm_before
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -33,6 +33,8 @@ class EncoderLayer(TransformerLayerBase):
         activation: the feed-forward network's activation, the name of a
             Keras activation (keyword only): "relu" (default, the paper's),
             "silu"/"swish" (Marian's), "gelu", ... (`FeedForward`).
+        layer_norm_epsilon: every LayerNorm's epsilon (keyword only; 1e-6 by
+            default, `residual.LAYER_NORM_EPSILON`; Marian's is 1e-5).
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`
@@ -59,12 +61,12 @@ class EncoderLayer(TransformerLayerBase):
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, **kwargs):
         super().__init__(d_model, num_heads, d_ff, dropout, norm_first, **kwargs)
         self.self_attention = self._attention("self_attention")
-        self.self_attention_norm = layer_norm(self.dtype_policy, "self_attention_norm")
+        self.self_attention_norm = self._norm("self_attention_norm")
         self.feed_forward = FeedForward(
             d_model, d_ff, dropout=self.activation_dropout, activation=self.activation, dtype=self.dtype_policy,
             name="feed_forward"
         )
-        self.feed_forward_norm = layer_norm(self.dtype_policy, "feed_forward_norm")
+        self.feed_forward_norm = self._norm("feed_forward_norm")
         self.dropout_layer = keras.layers.Dropout(dropout, dtype=self.dtype_policy)
 
     def build(self, input_shape):
@@ -107,7 +109,8 @@ class Encoder(TransformerStackBase):
     Args:
         num_layers: N (6 in the paper).
         d_model, num_heads, d_ff, dropout, norm_first, attention_dropout,
-            activation_dropout, key_dim, activation: as in `EncoderLayer`.
+            activation_dropout, key_dim, activation, layer_norm_epsilon: as in
+            `EncoderLayer`.
 
     Shapes:
         call(x `[batch, source_len, d_model]`, padding_mask `[batch, source_len]`)

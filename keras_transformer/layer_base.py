@@ -4,20 +4,25 @@ import keras
 
 from keras_transformer.attention import MultiHeadAttention, head_size
 from keras_transformer.feed_forward import activation_function
-from keras_transformer.residual import layer_norm
+from keras_transformer.residual import LAYER_NORM_EPSILON, layer_norm
 
 
 class TransformerLayerBase(keras.layers.Layer):
     """Holds d_model, num_heads, d_ff, dropout (P_drop), norm_first, attention_dropout, activation_dropout,
-    key_dim and activation (see `EncoderLayer` for their meaning).
+    key_dim, activation and layer_norm_epsilon (see `EncoderLayer` for their meaning).
 
     Output shape = the shape of the first input (every sub-layer keeps `[batch, length, d_model]`).
     """
 
     def __init__(self, d_model, num_heads, d_ff, dropout=0.1, norm_first=False, *, attention_dropout=0.0,
-                 activation_dropout=0.0, key_dim=None, activation="relu", **kwargs):
+                 activation_dropout=0.0, key_dim=None, activation="relu", layer_norm_epsilon=LAYER_NORM_EPSILON,
+                 **kwargs):
         super().__init__(**kwargs)
         activation_function(activation, type(self).__name__)
+        if isinstance(layer_norm_epsilon, bool) or not isinstance(layer_norm_epsilon, (int, float)) or not (
+                layer_norm_epsilon > 0):
+            raise ValueError(f"{type(self).__name__}: layer_norm_epsilon must be a number > 0, got "
+                             f"{layer_norm_epsilon!r}.")
         for name, rate in (("dropout", dropout), ("attention_dropout", attention_dropout),
                            ("activation_dropout", activation_dropout)):
             if not 0.0 <= rate < 1.0:
@@ -35,6 +40,7 @@ class TransformerLayerBase(keras.layers.Layer):
         self.attention_dropout = attention_dropout
         self.activation_dropout = activation_dropout
         self.activation = activation
+        self.layer_norm_epsilon = layer_norm_epsilon
         self.supports_masking = True
 
     def _attention(self, name):
@@ -44,6 +50,10 @@ class TransformerLayerBase(keras.layers.Layer):
             self.num_heads, self.key_dim or self.value_dim, value_dim=self.value_dim, dropout=self.attention_dropout,
             dtype=self.dtype_policy, name=name,
         )
+
+    def _norm(self, name):
+        """A LayerNorm of this layer's epsilon (`layer_norm_epsilon`)."""
+        return layer_norm(self.dtype_policy, name, self.layer_norm_epsilon)
 
     def compute_output_shape(self, x_shape, *args, **kwargs):
         return x_shape
@@ -60,6 +70,7 @@ class TransformerLayerBase(keras.layers.Layer):
             "activation_dropout": self.activation_dropout,
             "key_dim": self.key_dim,
             "activation": self.activation,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
         }
 
 
@@ -75,14 +86,15 @@ class TransformerStackBase(TransformerLayerBase):
         return [
             layer_class(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
                         attention_dropout=self.attention_dropout, activation_dropout=self.activation_dropout,
-                        key_dim=self.key_dim, activation=self.activation, dtype=self.dtype_policy,
-                        name=f"layer_{i}", **kwargs)
+                        key_dim=self.key_dim, activation=self.activation,
+                        layer_norm_epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=f"layer_{i}",
+                        **kwargs)
             for i in range(self.num_layers)
         ]
 
     def _final_norm(self):
         """The LayerNorm that ends a pre-norm stack (None for the paper's post-norm)."""
-        return layer_norm(self.dtype_policy, "final_norm") if self.norm_first else None
+        return self._norm("final_norm") if self.norm_first else None
 
     def _build_stack(self, layers, x_shape, *other_shapes):
         for layer in layers:

@@ -10,6 +10,7 @@ from keras_transformer.embedding import PositionalEmbedding, saved_max_positions
 from keras_transformer.encoder import Encoder
 from keras_transformer.masking import padding_mask
 from keras_transformer.renamed import renamed_arguments
+from keras_transformer.residual import LAYER_NORM_EPSILON
 
 PRESETS = {
     # For tests: builds and trains in seconds.
@@ -74,6 +75,8 @@ class Transformer(keras.Model):
             "swish" (Marian's, OPUS-MT's), "gelu", ...
         sinusoid_layout: the sinusoids' order along d_model: "interleaved"
             (default, the paper's) or "halves" (Marian's; `positional_encoding`).
+        layer_norm_epsilon: every LayerNorm's epsilon (1e-6 by default;
+            Marian's is 1e-5).
         output_bias: a bias `[target_vocab]` added to the tied output
             projection's logits, x E^T + b (Marian's `final_logits_bias`;
             zeros when built). Not in the paper: False (default). An untied
@@ -120,6 +123,7 @@ class Transformer(keras.Model):
         activation="relu",
         sinusoid_layout="interleaved",
         output_bias=False,
+        layer_norm_epsilon=LAYER_NORM_EPSILON,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -154,6 +158,7 @@ class Transformer(keras.Model):
         self.activation = activation
         self.sinusoid_layout = sinusoid_layout
         self.output_bias = output_bias
+        self.layer_norm_epsilon = layer_norm_epsilon
         self.logits_bias = None  # the output_bias weight, made in build()
 
         def embedding(size, name):
@@ -171,7 +176,7 @@ class Transformer(keras.Model):
         layer_args = dict(
             d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first,
             attention_dropout=attention_dropout, activation_dropout=activation_dropout, key_dim=key_dim,
-            activation=activation, dtype=self.dtype_policy,
+            activation=activation, layer_norm_epsilon=layer_norm_epsilon, dtype=self.dtype_policy,
         )
         self.encoder = Encoder(num_encoder_layers, name="encoder", **layer_args)
         self.decoder = Decoder(num_decoder_layers, name="decoder", **layer_args)
@@ -444,6 +449,7 @@ class Transformer(keras.Model):
             "activation": self.activation,
             "sinusoid_layout": self.sinusoid_layout,
             "output_bias": self.output_bias,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
         }
 
     @classmethod

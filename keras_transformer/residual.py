@@ -20,9 +20,9 @@ import keras
 LAYER_NORM_EPSILON = 1e-6
 
 
-def layer_norm(dtype, name):
+def layer_norm(dtype, name, epsilon=LAYER_NORM_EPSILON):
     """The LayerNorm of a residual block (or of a pre-norm stack's end)."""
-    return keras.layers.LayerNormalization(epsilon=LAYER_NORM_EPSILON, dtype=dtype, name=name)
+    return keras.layers.LayerNormalization(epsilon=epsilon, dtype=dtype, name=name)
 
 
 def norm_before(x, norm, norm_first):

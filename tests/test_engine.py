@@ -113,15 +113,15 @@ def test_the_engine_serves_a_key_size_apart_from_the_value_size():
 
 
 def test_the_engine_serves_marians_shape_with_the_output_bias_in_its_untied_projection():
-    """SiLU feed-forward networks, sinusoids in halves and a bias on the tied output projection (Marian's): the
-    engine's untied copy holds the embedding transposed and the model's bias (random, nonzero) in its column
-    blocks, and decodes what the library decodes."""
-    model = random_model(5, activation="silu", sinusoid_layout="halves", output_bias=True)
+    """SiLU feed-forward networks, sinusoids in halves, LayerNorms of epsilon 1e-5 and a bias on the tied output
+    projection (Marian's): the engine's untied copy keeps them, holds the embedding transposed and the model's bias
+    (random, nonzero) in its column blocks, and decodes what the library decodes."""
+    model = random_model(5, activation="silu", sinusoid_layout="halves", output_bias=True, layer_norm_epsilon=1e-5)
     bias = model.logits_bias.numpy()
     assert np.abs(bias).min() > 0
     copy = engine_model(model, "float32", untie_output_projection=True, output_blocks=2)
-    assert (copy.activation, copy.sinusoid_layout, copy.output_bias, copy.logits_bias) == (
-        "silu", "halves", False, None)
+    assert (copy.activation, copy.sinusoid_layout, copy.layer_norm_epsilon, copy.output_bias, copy.logits_bias) == (
+        "silu", "halves", 1e-5, False, None)
     np.testing.assert_array_equal(np.concatenate([b.numpy() for b in copy.output_projection.biases]), bias)
     x = np.random.default_rng(6).normal(size=(3, 32)).astype("float32")
     np.testing.assert_allclose(copy.project(x).numpy(), model.project(x).numpy(), rtol=1e-5, atol=1e-5)

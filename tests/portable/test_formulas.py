@@ -69,6 +69,13 @@ def test_the_feed_forward_network_is_f_of_x_w1_plus_b1_times_w2_plus_b2(activati
     np.testing.assert_allclose(to_numpy(layer(x)), f(x @ w1 + b1) @ w2 + b2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("epsilon", [0, -1e-5, "1e-5", True])
+def test_a_layer_norm_epsilon_that_is_not_a_positive_number_is_refused_naming_it(epsilon):
+    with pytest.raises(ValueError, match=r"Encoder: layer_norm_epsilon must be a number > 0, got " +
+                       re.escape(repr(epsilon))):
+        kt.Transformer.from_preset("tiny", vocab_size=10, layer_norm_epsilon=epsilon)
+
+
 @pytest.mark.parametrize("activation", ["not_an_activation", None, 3])
 def test_an_activation_keras_does_not_name_is_refused_naming_the_value(activation):
     with pytest.raises(ValueError, match=r"activation must be the name of a Keras activation .* got " +

@@ -64,28 +64,33 @@ def test_a_transformer_with_its_own_key_size_saves_and_loads(tmp_path):
 
 def test_a_transformer_of_marians_shape_saves_and_loads_and_an_older_config_is_the_papers(tmp_path):
     """activation="silu" reaches every feed-forward network of both stacks, sinusoid_layout="halves" both
-    embeddings, output_bias=True adds a weight (set nonzero); the .keras file keeps them (the same outputs), and a
-    configuration saved before the options (none of the keys) builds the paper's ReLU, interleaved sinusoids and
-    no bias."""
+    embeddings, output_bias=True adds a weight (set nonzero), layer_norm_epsilon=1e-5 reaches every LayerNorm; the
+    .keras file keeps them (the same outputs), and a configuration saved before the options (none of the keys)
+    builds the paper's ReLU, interleaved sinusoids, no bias, and the library's epsilon of 1e-6."""
     rng = np.random.default_rng(5)
     source, target = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
     model = kt.Transformer.from_preset("tiny", source_vocab_size=VOCAB, target_vocab_size=VOCAB + 3,
-                                       activation="silu", sinusoid_layout="halves", output_bias=True)
+                                       activation="silu", sinusoid_layout="halves", output_bias=True,
+                                       layer_norm_epsilon=1e-5)
     model.build()
     model.logits_bias.assign(np.random.default_rng(6).normal(size=(VOCAB + 3,)).astype("float32"))
     before = to_numpy(model((source, target)))
     layers = model.encoder.encoder_layers + model.decoder.decoder_layers
     assert [layer.feed_forward.activation for layer in layers] == ["silu"] * len(layers)
     assert model.source_embedding.sinusoid_layout == model.target_embedding.sinusoid_layout == "halves"
+    norms = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.LayerNormalization)]
+    assert len(norms) == 2 * 2 + 2 * 3 and {norm.epsilon for norm in norms} == {1e-5}
     model.save(tmp_path / "a.keras")
     loaded = keras.models.load_model(tmp_path / "a.keras")
-    assert (loaded.activation, loaded.sinusoid_layout, loaded.output_bias) == ("silu", "halves", True)
+    assert (loaded.activation, loaded.sinusoid_layout, loaded.output_bias, loaded.layer_norm_epsilon) == (
+        "silu", "halves", True, 1e-5)
     assert loaded.get_config() == model.get_config()
     np.testing.assert_allclose(to_numpy(loaded((source, target))), before, atol=1e-6)
     config = model.get_config()
-    del config["activation"], config["sinusoid_layout"], config["output_bias"]
+    del config["activation"], config["sinusoid_layout"], config["output_bias"], config["layer_norm_epsilon"]
     older = kt.Transformer.from_config(config)
-    assert (older.activation, older.sinusoid_layout, older.output_bias) == ("relu", "interleaved", False)
+    assert (older.activation, older.sinusoid_layout, older.output_bias, older.layer_norm_epsilon) == (
+        "relu", "interleaved", False, 1e-6)
     assert older.decoder.decoder_layers[0].feed_forward.activation == "relu"
     assert older.target_embedding.sinusoid_layout == "interleaved"
 
@@ -121,6 +126,8 @@ LAYERS = [
     (kt.DecoderLayer, dict(d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, dropout=0.3)),
     (kt.Encoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF)),
     (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, norm_first=True)),
+    (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, norm_first=True,
+                      layer_norm_epsilon=1e-5)),
     (kt.Decoder, dict(num_layers=2, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF, attention_dropout=0.1,
                       activation_dropout=0.2, use_cross_attention=False)),
     (kt.Transformer, dict(vocab_size=VOCAB, **kt.PRESETS["tiny"])),
