@@ -34,7 +34,7 @@ $(TORCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TORCH_VENV)/bin/python -m pip install --quiet "$(TORCH_WHEEL)"
-	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[test]"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[test,marian-reference]"
 	touch $@
 
 ifneq ($(TORCH_WHEEL),)

@@ -45,6 +45,9 @@ setup(
         # Figures of a run (python -m training.plots); tests/test_plots.py needs it too.
         "plots": ["matplotlib>=3.6"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.6"],
+        # The reference Marian implementation that tests/test_marian.py checks training/marian.py against, in the
+        # PyTorch test virtualenv (`make venv-torch`): transformers 5 has PyTorch models only.
+        "marian-reference": ["transformers>=5.23,<6", "safetensors>=0.4"],
     },
     entry_points={
         "console_scripts": [

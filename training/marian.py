@@ -1,0 +1,167 @@
+"""A Hugging Face Marian checkpoint (OPUS-MT) as this library's `Transformer`: the configuration, the ids and the
+weights, mapped exactly. numpy only: neither PyTorch nor transformers is imported.
+
+What differs, and how it is mapped (transformers' `modeling_marian.py` and `convert_marian_to_pytorch.py`):
+
+- The architecture is the paper's post-norm Transformer with scaled, tied embeddings, and Marian's own choices,
+  which the model takes as arguments: the feed-forward activation (`activation`: "swish" is Keras' "silu"),
+  the sinusoids as every sin then every cos (`sinusoid_layout="halves"`), a bias on the logits
+  (`output_bias=True`, Marian's `final_logits_bias`) and LayerNorms of epsilon 1e-5 (`layer_norm_epsilon`).
+- The special ids. Marian's vocabulary (`vocab.json`, V ids) has the end of sentence at 0, `<unk>` at 1, the
+  pieces at 2 to V - 2 and `<pad>` last, and its decoder starts from `<pad>`, whose embedding row is zeros. This
+  library's ids are fixed: pad 0, unk 1, start 2, end 3 (`keras_transformer.text`). The model's vocabulary is
+  V + 1 ids, our id i holding Marian's id `MarianIds.ours_to_marian[i]`: pad and start both take Marian's
+  `<pad>` row, end takes its 0, the pieces follow in their order (our 4 is Marian's 2). Pad and start are
+  never an output: their logits' bias is `MASKED_LOGIT` (transformers bans `<pad>` as a bad word;
+  CTranslate2 removes its row).
+
+A configuration this mapping does not cover is refused with a `MarianError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from keras_transformer.masking import PAD_ID
+from keras_transformer.text import END_ID, START_ID, UNK_ID
+
+# The bias of the logits of our pad and start ids: never an output, as in transformers' generation of Marian.
+MASKED_LOGIT = -1e9
+# Marian's "activation_function" values and the Keras activation of the same function.
+ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
+MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
+MARIAN_EOS_ID, MARIAN_UNK_ID = 0, 1
+
+
+class MarianError(ValueError):
+    """A Marian checkpoint this mapping does not cover: names the configuration key or the weight."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MarianIds:
+    """Where Marian's ids go. `ours_to_marian[i]` is the Marian id whose embedding row (and logits bias) our
+    id i takes; `marian_to_ours` maps Marian's ids to ours (its `<pad>` to our pad)."""
+
+    vocab_size: int  # Marian's V
+
+    @property
+    def ours_to_marian(self) -> np.ndarray:
+        pad = self.vocab_size - 1
+        specials = {PAD_ID: pad, UNK_ID: MARIAN_UNK_ID, START_ID: pad, END_ID: MARIAN_EOS_ID}
+        assert sorted(specials) == [0, 1, 2, 3]
+        return np.array([specials[i] for i in range(4)] + list(range(2, pad)), dtype=np.int64)
+
+    @property
+    def marian_to_ours(self) -> np.ndarray:
+        table = np.arange(self.vocab_size, dtype=np.int64) + 2  # the pieces: Marian's 2 is our 4
+        table[MARIAN_EOS_ID], table[MARIAN_UNK_ID], table[self.vocab_size - 1] = END_ID, UNK_ID, PAD_ID
+        return table
+
+
+def check_marian_config(config: dict) -> None:
+    """A `MarianError` naming the first key of a Hugging Face `config.json` (as a dict) that the mapping does
+    not cover."""
+    def refuse(key, why):
+        raise MarianError(f"Marian config: {key}={config.get(key)!r} is not supported: {why}")
+
+    if config.get("model_type", "marian") != "marian":
+        refuse("model_type", "only Marian models (\"marian\") are read")
+    for key in ("normalize_before", "normalize_embedding", "add_final_layer_norm"):
+        if config.get(key):
+            refuse(key, "the mapping reads Marian's post-norm layers, without an embedding or final LayerNorm")
+    if config.get("static_position_embeddings") is False:
+        refuse("static_position_embeddings", "learned positions are not mapped (sinusoids only)")
+    if not config.get("scale_embedding"):
+        refuse("scale_embedding", "the library scales the token embedding by sqrt(d_model), as Marian's OPUS-MT do")
+    if config.get("activation_function", "gelu") not in ACTIVATIONS:
+        refuse("activation_function", f"the mapped activations are {', '.join(ACTIVATIONS)}")
+    if not config.get("share_encoder_decoder_embeddings", True):
+        refuse("share_encoder_decoder_embeddings", "only one vocabulary shared by source and target is mapped")
+    if config.get("tie_word_embeddings", True) is False:
+        refuse("tie_word_embeddings", "only an output projection tied to the embedding is mapped")
+    vocab = config.get("vocab_size")
+    if config.get("decoder_vocab_size") not in (None, vocab):
+        refuse("decoder_vocab_size", f"the target vocabulary must be the shared one ({vocab})")
+    for key, expected in (("pad_token_id", vocab - 1), ("decoder_start_token_id", vocab - 1),
+                          ("eos_token_id", MARIAN_EOS_ID)):
+        if config.get(key, expected) != expected:
+            refuse(key, f"Marian's ids are <pad> = vocab_size - 1 = {vocab - 1} (also the decoder's start) and "
+                        f"</s> = {MARIAN_EOS_ID}")
+    for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if config.get(a) != config.get(b):
+            refuse(b, f"the library's encoder and decoder have one {a.split('_', 1)[1]} ({a}={config.get(a)!r})")
+
+
+def transformer_arguments(config: dict) -> dict:
+    """`keras_transformer.Transformer`'s arguments for a Marian `config.json` (checked first): the shared
+    vocabulary of V + 1 ids (`MarianIds`), Marian's sizes and its options; no dropout (a pretrained model
+    translates; fine-tuning sets its own)."""
+    check_marian_config(config)
+    return dict(
+        vocab_size=config["vocab_size"] + 1, d_model=config["d_model"], num_heads=config["encoder_attention_heads"],
+        d_ff=config["encoder_ffn_dim"], num_encoder_layers=config["encoder_layers"],
+        num_decoder_layers=config["decoder_layers"], dropout=0.0, activation=ACTIVATIONS[config["activation_function"]],
+        sinusoid_layout="halves", output_bias=True, layer_norm_epsilon=MARIAN_LAYER_NORM_EPSILON,
+    )
+
+
+def transformer_weights(state: dict, config: dict) -> dict:
+    """The weights of the `Transformer` that `transformer_arguments(config)` builds, `{path: array}` (the path
+    without the model's name, `embedding/token_embedding/embeddings`, ...), from Marian's `state` (its
+    safetensors' `{key: array}`, float16 or float32), as float32. A `MarianError` names a weight that is
+    missing, or of another shape than the config gives."""
+    check_marian_config(config)
+    d, heads = config["d_model"], config["encoder_attention_heads"]
+    head = d // heads
+    ids = MarianIds(config["vocab_size"])
+
+    def get(key, shape):
+        if key not in state:
+            raise MarianError(f"Marian checkpoint: the weight {key!r} is missing")
+        value = np.asarray(state[key], dtype=np.float32)
+        if value.shape != shape:
+            raise MarianError(f"Marian checkpoint: {key!r} is {value.shape}, the config gives {shape}")
+        return value
+
+    embedding_key = next((k for k in ("model.shared.weight", "model.encoder.embed_tokens.weight") if k in state),
+                         "model.shared.weight")
+    embedding = get(embedding_key, (config["vocab_size"], d))[ids.ours_to_marian]
+    bias = get("final_logits_bias", (1, config["vocab_size"]))[0][ids.ours_to_marian]
+    bias[[PAD_ID, START_ID]] = MASKED_LOGIT
+    weights = {"embedding/token_embedding/embeddings": embedding, "output_bias": bias}
+
+    def attention(ours, theirs):
+        for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+            weights[f"{ours}/{name}/kernel"] = get(f"{theirs}.{proj}.weight", (d, d)).T.reshape(d, heads, head)
+            weights[f"{ours}/{name}/bias"] = get(f"{theirs}.{proj}.bias", (d,)).reshape(heads, head)
+        weights[f"{ours}/attention_output/kernel"] = get(f"{theirs}.out_proj.weight", (d, d)).T.reshape(heads, head, d)
+        weights[f"{ours}/attention_output/bias"] = get(f"{theirs}.out_proj.bias", (d,))
+
+    def norm(ours, theirs):
+        weights[f"{ours}/gamma"] = get(f"{theirs}.weight", (d,))
+        weights[f"{ours}/beta"] = get(f"{theirs}.bias", (d,))
+
+    def feed_forward(ours, theirs):
+        ff = config["encoder_ffn_dim"]
+        weights[f"{ours}/inner/kernel"] = get(f"{theirs}.fc1.weight", (ff, d)).T
+        weights[f"{ours}/inner/bias"] = get(f"{theirs}.fc1.bias", (ff,))
+        weights[f"{ours}/outer/kernel"] = get(f"{theirs}.fc2.weight", (d, ff)).T
+        weights[f"{ours}/outer/bias"] = get(f"{theirs}.fc2.bias", (d,))
+
+    for i in range(config["encoder_layers"]):
+        ours, theirs = f"encoder/layer_{i}", f"model.encoder.layers.{i}"
+        attention(f"{ours}/self_attention", f"{theirs}.self_attn")
+        norm(f"{ours}/self_attention_norm", f"{theirs}.self_attn_layer_norm")
+        feed_forward(f"{ours}/feed_forward", theirs)
+        norm(f"{ours}/feed_forward_norm", f"{theirs}.final_layer_norm")
+    for i in range(config["decoder_layers"]):
+        ours, theirs = f"decoder/layer_{i}", f"model.decoder.layers.{i}"
+        attention(f"{ours}/self_attention", f"{theirs}.self_attn")
+        norm(f"{ours}/self_attention_norm", f"{theirs}.self_attn_layer_norm")
+        attention(f"{ours}/cross_attention", f"{theirs}.encoder_attn")
+        norm(f"{ours}/cross_attention_norm", f"{theirs}.encoder_attn_layer_norm")
+        feed_forward(f"{ours}/feed_forward", theirs)
+        norm(f"{ours}/feed_forward_norm", f"{theirs}.final_layer_norm")
+    return weights
