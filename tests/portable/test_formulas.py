@@ -20,15 +20,15 @@ def test_positional_encoding_formula(pos, i):
     assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
 
 
-@pytest.mark.parametrize("pos", [0, 1, 50, 311])
-@pytest.mark.parametrize("i", [0, 5, 255])
-def test_the_halves_layout_holds_the_same_sinusoids_every_sin_then_every_cos(pos, i):
+def test_the_halves_layout_holds_the_same_sinusoids_every_sin_then_every_cos():
     """Marian's layout: column i is the sin of frequency i, column d_model/2 + i its cos."""
     d_model = 512
     table = to_numpy(kt.positional_encoding(np.arange(400), d_model, layout="halves"))
-    angle = pos / 10000 ** (2 * i / d_model)
-    assert table[pos, i] == pytest.approx(math.sin(angle), abs=1e-5)
-    assert table[pos, d_model // 2 + i] == pytest.approx(math.cos(angle), abs=1e-5)
+    for pos in (0, 1, 50, 311):
+        for i in (0, 5, 255):
+            angle = pos / 10000 ** (2 * i / d_model)
+            assert table[pos, i] == pytest.approx(math.sin(angle), abs=1e-5)
+            assert table[pos, d_model // 2 + i] == pytest.approx(math.cos(angle), abs=1e-5)
     embedding = kt.PositionalEmbedding(vocab_size=10, d_model=8, sinusoid_layout="halves")
     ids = np.array([[3, 4, 0]])
     expected = (to_numpy(embedding.token_embedding(ids))[0] * math.sqrt(8)
@@ -69,18 +69,15 @@ def test_the_feed_forward_network_is_f_of_x_w1_plus_b1_times_w2_plus_b2(activati
     np.testing.assert_allclose(to_numpy(layer(x)), f(x @ w1 + b1) @ w2 + b2, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("epsilon", [0, -1e-5, "1e-5", True])
-def test_a_layer_norm_epsilon_that_is_not_a_positive_number_is_refused_naming_it(epsilon):
-    with pytest.raises(ValueError, match=r"Encoder: layer_norm_epsilon must be a number > 0, got " +
-                       re.escape(repr(epsilon))):
-        kt.Transformer.from_preset("tiny", vocab_size=10, layer_norm_epsilon=epsilon)
-
-
-@pytest.mark.parametrize("activation", ["not_an_activation", None, 3])
-def test_an_activation_keras_does_not_name_is_refused_naming_the_value(activation):
-    with pytest.raises(ValueError, match=r"activation must be the name of a Keras activation .* got " +
-                       re.escape(repr(activation))):
-        kt.Transformer.from_preset("tiny", vocab_size=10, activation=activation)
+def test_an_unknown_activation_or_an_epsilon_not_above_0_is_refused_naming_the_value():
+    for activation in ("not_an_activation", None, 3):
+        with pytest.raises(ValueError, match=r"activation must be the name of a Keras activation .* got " +
+                           re.escape(repr(activation))):
+            kt.Transformer.from_preset("tiny", vocab_size=10, activation=activation)
+    for epsilon in (0, -1e-5, "1e-5", True):
+        with pytest.raises(ValueError, match=r"Encoder: layer_norm_epsilon must be a number > 0, got " +
+                           re.escape(repr(epsilon))):
+            kt.Transformer.from_preset("tiny", vocab_size=10, layer_norm_epsilon=epsilon)
 
 
 def test_the_output_bias_is_added_to_the_tied_projections_logits():
