@@ -115,6 +115,7 @@ OPUS_MT = {"model_type": "marian", "vocab_size": 58101, "decoder_vocab_size": 58
     ("pad_token_id", 3, "<pad> = vocab_size - 1 = 58100"),
     ("decoder_ffn_dim", 1024, "one ffn_dim"),
     ("model_type", "bart", "only Marian models"),
+    ("vocab_size", None, "a whole number of ids"),
 ])
 def test_a_config_the_mapping_does_not_cover_is_refused_naming_the_key(key, value, why):
     """OPUS-MT's en-de configuration (its keys as the Hub's config.json has them) maps to the base model's shape

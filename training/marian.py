@@ -82,6 +82,8 @@ def check_marian_config(config: dict) -> None:
     if config.get("tie_word_embeddings", True) is False:
         refuse("tie_word_embeddings", "only an output projection tied to the embedding is mapped")
     vocab = config.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 4:
+        refuse("vocab_size", "it must be a whole number of ids: </s>, <unk>, the pieces and <pad>")
     if config.get("decoder_vocab_size") not in (None, vocab):
         refuse("decoder_vocab_size", f"the target vocabulary must be the shared one ({vocab})")
     for key, expected in (("pad_token_id", vocab - 1), ("decoder_start_token_id", vocab - 1),
