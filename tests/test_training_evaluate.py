@@ -425,6 +425,20 @@ def test_a_negative_extra_output_length_is_a_usage_error_in_kt_evaluate_and_kt_e
     assert not (tmp_path / "export").exists()
 
 
+def test_a_gold_tree_that_is_not_one_is_named_before_anything_is_decoded(trained_dir, tmp_path, capsys):
+    """kt-evaluate --metric evalb reads the gold trees before it loads the model: a bad line is named (exit 2)
+    and no hypotheses file is written."""
+    from training.evaluate import main as evaluate
+
+    src = _write(tmp_path / "test.words", ["the cat sat", "a dog"])
+    gold = _write(tmp_path / "test.gold", ["(S (NP (DT the) (NN cat)) (VP (VBD sat)))", "(S (NP a dog"])
+    out = tmp_path / "hyp.linear"
+    assert evaluate(["--model-dir", str(trained_dir), "--metric", "evalb", "--source-file", str(src),
+                     "--references", str(gold), "--output", str(out)]) == 2
+    assert f"kt-evaluate: error: {gold}, line 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_evaluate_scores_a_checkpoint_of_a_run_that_has_no_model_keras_yet(trained_dir, tmp_path, capsys):
     """While kt-train runs there is no model.keras: `kt-evaluate --weights CHECKPOINT` builds the model from
     config.json and translates as it does with model.keras. Without --weights, one line names the ways out."""

@@ -279,12 +279,15 @@ def _lowercases(cfg: dict) -> bool:
     return bool(cfg.get("training", {}).get("lowercase"))
 
 
-def scores_of(hypotheses: list[str], references: list[str], metric: str, args, cfg: dict, lang: str | None) -> dict:
-    """`metric`'s scores of `hypotheses` against `references` (lines): `score`'s BLEU and chrF, or for "evalb"
-    EVALB's of parses against the gold trees the references are (`training.trees.score_parses`)."""
+def scorer(references: list[str], metric: str, args, cfg: dict, lang: str | None):
+    """`hypotheses -> scores` against `references` (lines) by `metric`: `score`'s BLEU and chrF, or for "evalb"
+    EVALB's of parses against the gold trees the references are (`training.trees.score_parses`). Made before
+    anything is decoded, so that a bad option or gold tree is named first; the gold trees are read once."""
     if metric == "evalb":
-        return score_parses(hypotheses, gold_trees(references, args.references))  # `_metric` requires the file
-    return score(hypotheses, references, lang, lowercase=_lowercases(cfg), **_protocols(args, cfg, lang))
+        gold = gold_trees(references, args.references)  # `_metric` requires the file
+        return lambda hypotheses: score_parses(hypotheses, gold)
+    protocols, lowercase = _protocols(args, cfg, lang), _lowercases(cfg)
+    return lambda hypotheses: score(hypotheses, references, lang, lowercase=lowercase, **protocols)
 
 
 def print_scores(scores: dict) -> None:
@@ -321,7 +324,7 @@ def evaluate(args) -> int:
         cfg = read_config(args.model_dir) if args.model_dir else {}
         refs = read_lines(args.references) if args.references else _source_and_refs(args, cfg)[1]
         lang = args.target_lang or cfg.get("target_lang")
-        scores = scores_of(hyps, refs, _metric(args, cfg), args, cfg, lang)
+        scores = scorer(refs, _metric(args, cfg), args, cfg, lang)(hyps)
         print_scores(scores)
         if args.output:
             Path(args.output).write_text(json.dumps(scores, indent=2))
@@ -332,9 +335,10 @@ def evaluate(args) -> int:
     tfds.disable_progress_bar()
     cfg = read_config(args.model_dir)
     lang = args.target_lang or cfg["target_lang"]
-    metric = _metric(args, cfg)
-    if metric == "bleu":
-        _protocols(args, cfg, lang)  # its errors before the decoding
+    sources, refs = _source_and_refs(args, cfg)
+    if args.max_examples:
+        sources, refs = sources[: args.max_examples], refs[: args.max_examples]
+    scoring = scorer(refs, _metric(args, cfg), args, cfg, lang)
     args.beam_size = recorded_setting(cfg, "beam_size", args.beam_size, DEFAULT_BEAM_SIZE)
     args.length_penalty = recorded_setting(cfg, "length_penalty", args.length_penalty, DEFAULT_LENGTH_PENALTY)
     args.extra_output_length = recorded_setting(cfg, "extra_output_length", args.extra_output_length,
@@ -342,9 +346,6 @@ def evaluate(args) -> int:
     translator = Translator.from_model_dir(args.model_dir, model_file=args.model_file, weights=args.weights,
                                            beam_size=args.beam_size, length_penalty=args.length_penalty,
                                            extra_output_length=args.extra_output_length)
-    sources, refs = _source_and_refs(args, cfg)
-    if args.max_examples:
-        sources, refs = sources[: args.max_examples], refs[: args.max_examples]
     t0 = time.time()
     progress = not args.no_progress and len(sources) > args.batch_size
     translated = translate_all(translator, sources, args.beam_size, args.batch_size, progress=progress)
@@ -354,7 +355,7 @@ def evaluate(args) -> int:
     name = Path(args.source_file).name if args.source_file else (args.split or default_split)
     out = Path(args.output) if args.output else Path(args.model_dir) / f"hyp.{name}.{cfg['target_lang']}"
     out.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    scores = scores_of(hyps, refs, metric, args, cfg, lang)
+    scores = scoring(hyps)
     scores.update({"beam_size": args.beam_size, "length_penalty": args.length_penalty, "hypotheses_file": str(out),
                    "decode_seconds": round(elapsed, 1), "truncated_sources": truncated,
                    "max_source_length": translator.max_source_length})
