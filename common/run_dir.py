@@ -3,7 +3,9 @@ its file names, its config.json, its checkpoints and the model it holds.
 
     MODEL_DIR/config.json        the languages, ids, vocabulary, longest source (`max_source_length`), model and
                                  training settings (`read_config`)
-    MODEL_DIR/tokenizer.model    the sentencepiece vocabulary (`tokenizer_path`)
+    MODEL_DIR/tokenizer.model    the sentencepiece vocabulary (`tokenizer_path`); in a run with one per side
+                                 (an imported Marian model), the source's, and the target's is config.json's
+                                 "target_tokenizer_file" (`target_tokenizer_path`)
     MODEL_DIR/model.keras        the trained model (`load_or_build_model`; with the tokenizer: `load_model_dir`)
     MODEL_DIR/checkpoints/       epoch-NNN.weights.h5 every epoch (`epoch_checkpoints`), or, in a run by
                                  updates, update-NNNNNNN.weights.h5 every N updates (`update_checkpoints`)
@@ -27,6 +29,7 @@ from keras_transformer.text import read_tokenizer_proto
 CONFIG_FILENAME = "config.json"
 MODEL_FILENAME = "model.keras"
 TOKENIZER_FILENAME = "tokenizer.model"
+TARGET_TOKENIZER_FILENAME = "target_tokenizer.model"  # a run with a vocabulary per side: the target's
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_PATTERN = "epoch-{epoch:03d}.weights.h5"
 # With --checkpoint-every N: a checkpoint every N optimizer updates, named by the update it was taken after.
@@ -72,6 +75,23 @@ def tokenizer_path(model_dir, config) -> Path:
     return Path(model_dir) / config.get("tokenizer_file", TOKENIZER_FILENAME)
 
 
+def target_tokenizer_path(model_dir, config) -> Path | None:
+    """The target side's sentencepiece model of a run with one per side (config.json's "target_tokenizer_file");
+    None for a run with one joint vocabulary."""
+    name = config.get("target_tokenizer_file")
+    return None if name is None else Path(model_dir) / name
+
+
+def load_tokenizer(model_dir, config):
+    """A run's tokenizer (`common.tokenizer`): one joint sentencepiece model, or a `SourceTargetTokenizer` of
+    the two of a run with one per side."""
+    from common.tokenizer import SourceTargetTokenizer, make_tokenizer  # TensorFlow: for those who load a model
+
+    source = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
+    target = target_tokenizer_path(model_dir, config)
+    return source if target is None else SourceTargetTokenizer(source, make_tokenizer(read_tokenizer_proto(target)))
+
+
 def load_model_dir(model_dir, model_file=None, weights=None):
     """(model, tokenizer, config) from a directory written by kt-train: what kt-evaluate, kt-export, the plots
     and the benchmarks load.
@@ -95,10 +115,7 @@ def load_model_dir(model_dir, model_file=None, weights=None):
         model = keras.models.load_model(path, compile=False)
     if weights:
         model.load_weights(weights)
-    from common.tokenizer import make_tokenizer  # TensorFlow and tensorflow-text: only for those who load a model
-
-    tokenizer = make_tokenizer(read_tokenizer_proto(tokenizer_path(model_dir, config)))
-    return model, tokenizer, config
+    return model, load_tokenizer(model_dir, config), config
 
 
 # The settings of the commands that follow kt-train when neither their command line nor the run's config.json

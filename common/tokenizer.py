@@ -4,6 +4,11 @@ The same tokenizer runs in `tf.data` (training), in evaluation and inside the
 exported graph. The vocabulary itself, its training and the special ids are in
 `keras_transformer/text.py` (no TensorFlow there).
 
+A run's tokenizer is one joint sentencepiece model (what kt-train trains), or a
+`SourceTargetTokenizer`: one model per side in the same ids (an imported Marian
+model's, `training/marian.py`). `source_side` and `target_side` pick a side of
+either; the functions here take either.
+
 Sequences:
   source     = pieces(source_text)[:max_source_length - 1] + [END_ID]
   target_in  = [START_ID] + pieces(target_text)
@@ -32,12 +37,32 @@ def make_tokenizer(model_proto: bytes, *, sampling_alpha: float | None = None):
     return tf_text.SentencepieceTokenizer(model=model_proto, out_type="int32", add_bos=False, add_eos=False, **sampling)
 
 
+class SourceTargetTokenizer(tf.Module):
+    """Two tokenizers of one vocabulary: `source` reads the source text, `target` reads and writes the target's.
+    Both give the model's ids. It has no `tokenize` of its own, so code that would tokenize without naming a
+    side fails instead of picking one."""
+
+    def __init__(self, source, target):
+        super().__init__(name="source_target_tokenizer")
+        self.source, self.target = source, target  # tracked: their resources are captured by the export's graph
+
+
+def source_side(tokenizer):
+    """The tokenizer of the source text: `tokenizer` itself, or a `SourceTargetTokenizer`'s `source`."""
+    return tokenizer.source if isinstance(tokenizer, SourceTargetTokenizer) else tokenizer
+
+
+def target_side(tokenizer):
+    """The tokenizer of the target text: `tokenizer` itself, or a `SourceTargetTokenizer`'s `target`."""
+    return tokenizer.target if isinstance(tokenizer, SourceTargetTokenizer) else tokenizer
+
+
 def encode_source(tokenizer, texts, max_source_length: int | None = None):
     """Source ids for strings `[batch]`: pieces + [END_ID], truncated to `max_source_length` (end id kept).
 
     Returns a `tf.RaggedTensor` `[batch, (len)]`; `.to_tensor(PAD_ID)` pads it.
     """
-    return source_from_pieces(tokenizer.tokenize(texts), max_source_length)
+    return source_from_pieces(source_side(tokenizer).tokenize(texts), max_source_length)
 
 
 def source_from_pieces(pieces, max_source_length: int | None = None):
@@ -50,8 +75,8 @@ def source_from_pieces(pieces, max_source_length: int | None = None):
 
 def encode_pair(tokenizer, source_text, target_text):
     """One training pair of scalar strings -> (source, target_in, target_out), int32 `[len]` each."""
-    source = tf.cast(tokenizer.tokenize(source_text), tf.int32)
-    target = tf.cast(tokenizer.tokenize(target_text), tf.int32)
+    source = tf.cast(source_side(tokenizer).tokenize(source_text), tf.int32)
+    target = tf.cast(target_side(tokenizer).tokenize(target_text), tf.int32)
     return (tf.concat([source, [END_ID]], 0), tf.concat([[START_ID], target], 0), tf.concat([target, [END_ID]], 0))
 
 
@@ -59,8 +84,10 @@ def decode_output(tokenizer, tokens):
     """Decoded tokens `[batch, length]` -> strings `[batch]`.
 
     Everything from the first end id on, and padding, is dropped before
-    detokenizing.
+    detokenizing; the text has no whitespace at either end (an output that
+    ends on a lone word-boundary piece, "▁", would end with a space), as
+    transformers' `MarianTokenizer.decode` gives it.
     """
     before_end = tf.equal(tf.cumsum(tf.cast(tf.equal(tokens, END_ID), tf.int32), axis=1), 0)
     keep = tf.logical_and(before_end, tf.not_equal(tokens, PAD_ID))
-    return tf.reshape(tokenizer.detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1])
+    return tf.strings.strip(tf.reshape(target_side(tokenizer).detokenize(tf.ragged.boolean_mask(tokens, keep)), [-1]))

@@ -99,8 +99,8 @@ import os
 
 import tensorflow as tf
 
-from common.run_dir import load_model_dir, max_source_length, tokenizer_path
-from common.tokenizer import decode_output, source_from_pieces
+from common.run_dir import load_model_dir, max_source_length, target_tokenizer_path, tokenizer_path
+from common.tokenizer import decode_output, source_from_pieces, source_side, target_side
 from export.engine_weights import engine_model
 from export.request_batching import RequestBatching, batched, used_width
 from export.search import engine_beam_search, engine_greedy_decode, graph_function, parallel_decode
@@ -192,7 +192,10 @@ class Translator(tf.Module):
         model: a built `keras_transformer.Transformer`.
         tokenizer: a `tensorflow_text.SentencepieceTokenizer` from
             `common.tokenizer.make_tokenizer` (its special ids are the
-            start and end ids decoding uses).
+            start and end ids decoding uses), or a
+            `common.tokenizer.SourceTargetTokenizer` of one per side (an
+            imported Marian model's): the source's reads the text, the
+            target's the prefixes and score's targets, and writes the output.
         max_source_length: most source tokens, end id included (config.json
             `max_source_length`); longer inputs are truncated. None: no limit.
         beam_size: beam size of `serving_default` and `translate_ids`.
@@ -205,6 +208,8 @@ class Translator(tf.Module):
         tokenizer_file: path of the sentencepiece `.model`, shipped in the
             SavedModel's `assets/` for clients (the tokenizer op itself takes
             the model proto as an attribute, so it is also in the graph).
+        target_tokenizer_file: the target side's, with a tokenizer of one per
+            side; shipped in `assets/` too.
         xla_max_batch: batches of at most this many sentences decode in an
             XLA-compiled function (see the module docstring); 0: never.
         xla_model: the model that function runs (`from_model_dir` gives
@@ -245,7 +250,7 @@ class Translator(tf.Module):
 
     @renamed_arguments(alpha="length_penalty")
     def __init__(self, model, tokenizer, *, max_source_length, beam_size=4, length_penalty=0.6, use_cache=True,
-                 tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
+                 tokenizer_file=None, target_tokenizer_file=None, xla_max_batch=0, xla_model=None, parallel_loops=1, no_repeat_ngram_size=0,
                  extra_output_length=EXTRA_OUTPUT_LENGTH, request_batching=None, name="translator"):
         super().__init__(name=name)
         if beam_size < 1:
@@ -262,6 +267,8 @@ class Translator(tf.Module):
         self.tokenizer = tokenizer  # tracked: its sentencepiece resource is captured by the functions
         if tokenizer_file is not None:
             self.tokenizer_file = tf.saved_model.Asset(str(tokenizer_file))
+        if target_tokenizer_file is not None:
+            self.target_tokenizer_file = tf.saved_model.Asset(str(target_tokenizer_file))
         self.max_source_length = None if max_source_length is None else int(max_source_length)
         self.beam_size, self.length_penalty, self.use_cache = int(beam_size), float(length_penalty), bool(use_cache)
         # Not an attribute: tracking the Keras model would track Keras variables, not the tf.Variables
@@ -346,6 +353,7 @@ class Translator(tf.Module):
         xla_model = engine_model(loaded, XLA_DTYPE, untie_output_projection=True) if xla_max_batch else None
         return cls(model, tokenizer, max_source_length=max_source_length(config), beam_size=beam_size, length_penalty=length_penalty,
                    use_cache=use_cache, tokenizer_file=tokenizer_path(model_dir, config),
+                   target_tokenizer_file=target_tokenizer_path(model_dir, config),
                    xla_max_batch=xla_max_batch, xla_model=xla_model,
                    parallel_loops=parallel_loops, no_repeat_ngram_size=no_repeat_ngram_size,
                    extra_output_length=extra_output_length, request_batching=request_batching)
@@ -360,9 +368,10 @@ class Translator(tf.Module):
         return {"source_ids": tf.ensure_shape(tf.cast(source, tf.int32), [None, None]),
                 "truncated": self._truncated(pieces)}
 
-    def _pieces(self, text):
-        """Strings `[batch]` -> their piece ids, ragged `[batch, (pieces)]`, invalid UTF-8 replaced by U+FFFD."""
-        return self.tokenizer.tokenize(tf.strings.unicode_transcode(
+    def _pieces(self, text, side=source_side):
+        """Strings `[batch]` -> their piece ids, ragged `[batch, (pieces)]`, invalid UTF-8 replaced by U+FFFD;
+        `side`: `common.tokenizer`'s `source_side` (the source text's pieces) or `target_side`."""
+        return side(self.tokenizer).tokenize(tf.strings.unicode_transcode(
             text, input_encoding="UTF-8", output_encoding="UTF-8", errors="replace", replacement_char=0xFFFD))
 
     def _truncated(self, pieces):
@@ -451,7 +460,7 @@ class Translator(tf.Module):
         """Text and prefix strings `[batch]` -> the text signatures' outputs of the beam search (`greedy`:
         greedy decoding) whose output begins with each row's prefix pieces `[batch, prefix_len]`, 0-padded
         (a blank prefix: no piece, the plain search)."""
-        prefix_ids = tf.cast(self._pieces(prefix).to_tensor(PAD_ID), tf.int32)
+        prefix_ids = tf.cast(self._pieces(prefix, target_side).to_tensor(PAD_ID), tf.int32)
         # No `xla_decode`: the XLA programs (`_xla_beam`, `_xla_greedy`) take no prefix, so a prefixed request
         # runs the graph decoder at any batch size, beam and greedy alike.
         return self._translate_text(text, lambda source: self._search(source, greedy=greedy, prefix_ids=prefix_ids))
@@ -472,19 +481,20 @@ class Translator(tf.Module):
         def alignment(source, tokens, empty):
             aligned = align_targets(self._model(), source, tokens, START_ID, END_ID)
             return {"alignment": tf.where(empty[:, None], -1, aligned),
-                    "source_pieces": self._piece_strings(source, tf.zeros_like(empty)),
-                    "target_pieces": self._piece_strings(tokens, empty)}
+                    "source_pieces": self._piece_strings(source, tf.zeros_like(empty), source_side),
+                    "target_pieces": self._piece_strings(tokens, empty, target_side)}
 
         return self._translate_text(text, self._beam, extra=alignment)
 
-    def _piece_strings(self, ids, empty):
-        """Ids `[batch, length]` -> their pieces, "" at padding and in the rows `empty` `[batch]`."""
+    def _piece_strings(self, ids, empty, side):
+        """Ids `[batch, length]` -> their pieces in `side`'s tokenizer (`source_side`, `target_side`), "" at
+        padding and in the rows `empty` `[batch]`."""
         ids = tf.ensure_shape(ids, [None, None])
-        return tf.where((ids != PAD_ID) & ~empty[:, None], self.tokenizer.id_to_string(ids), "")
+        return tf.where((ids != PAD_ID) & ~empty[:, None], side(self.tokenizer).id_to_string(ids), "")
 
     def _score(self, text, target):
         tokenized = self._tokenize(text)
-        target_pieces = self._pieces(target)
+        target_pieces = self._pieces(target, target_side)
         target_ids = tf.cast(source_from_pieces(target_pieces, self.max_source_length).to_tensor(PAD_ID), tf.int32)
         scores, log_prob, _ = score_targets(self._model(), tokenized["source_ids"], target_ids, START_ID,
                                             length_penalty=self.length_penalty)

@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 import keras_transformer as kt  # noqa: E402
 from common.run_dir import load_model_dir, max_source_length, read_config  # noqa: E402
 from keras_transformer.text import END_ID, PAD_ID, START_ID  # noqa: E402
-from common.tokenizer import decode_output, encode_source  # noqa: E402
+from common.tokenizer import decode_output, encode_source, source_side, target_side  # noqa: E402
 
 PAPER_D_MODEL, PAPER_WARMUP_STEPS = 512, 4000
 DPI = 150
@@ -179,11 +179,12 @@ def translate_with_attention(model, tokenizer, config, text, max_output_length=N
     decoder_input = tf.constant([[START_ID] + output[:-1]], tf.int32)
     weights = model.attention_scores(source, decoder_input)
     translation = decode_output(tokenizer, tokens)[0].numpy().decode("utf-8", errors="replace")
-    return _pieces(tokenizer, source[0]), _pieces(tokenizer, output), _printable(translation), weights
+    return (_pieces(source_side(tokenizer), source[0]), _pieces(target_side(tokenizer), output),
+            _printable(translation), weights)
 
 
 def _pieces(tokenizer, ids):
-    """Token ids -> sentencepiece pieces ("▁" marks the start of a word)."""
+    """Token ids -> sentencepiece pieces ("▁" marks the start of a word) of one side's `tokenizer`."""
     pieces = tokenizer.id_to_string(tf.cast(tf.convert_to_tensor(ids), tf.int32)).numpy().tolist()
     return [_printable(p.decode("utf-8", errors="replace")) for p in pieces]
 
