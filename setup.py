@@ -34,6 +34,8 @@ setup(
             # TF Serving's protos: kt-export writes warm-up requests (PredictionLog records); the gRPC client.
             # Its own dependencies (grpcio, protobuf, tensorflow) are TensorFlow's already.
             "tensorflow-serving-api>=2.21,<2.22",
+            # kt-import reads a Hugging Face model's weights (model.safetensors) with numpy.
+            "safetensors>=0.4",
         ],
         # The library on the JAX backend (KERAS_BACKEND=jax), CPU only: tested with 0.10, the release beside Keras
         # 3.15 (pinned above); recheck tests/portable on JAX before widening. (PyTorch: install its CPU wheel
@@ -47,7 +49,7 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.6"],
         # The reference Marian implementation that tests/test_marian.py checks training/marian.py against, in the
         # PyTorch test virtualenv (`make venv-torch`): transformers 5 has PyTorch models only.
-        "marian-reference": ["transformers>=5.23,<6", "safetensors>=0.4"],
+        "marian-reference": ["transformers>=5.23,<6", "safetensors>=0.4", "sacremoses>=0.1"],
     },
     entry_points={
         "console_scripts": [
@@ -58,6 +60,7 @@ setup(
             "kt-export=export.export_model:main",
             "kt-translate=export.translate:main",
             "kt-treebank=training.trees:main",
+            "kt-import=training.import_marian:main",
         ]
     },
 )

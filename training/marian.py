@@ -15,12 +15,22 @@ What differs, and how it is mapped (transformers' `modeling_marian.py` and `conv
   never an output: their logits' bias is `MASKED_LOGIT` (transformers bans `<pad>` as a bad word;
   CTranslate2 removes its row).
 
+- The vocabulary. Marian tokenizes the source with `source.spm` and the target with `target.spm`, two
+  sentencepiece models whose own ids it ignores: a piece's id is its line in `vocab.json`, shared by both sides
+  (transformers' `MarianTokenizer`). This library's tokenizer is a sentencepiece model whose ids are the
+  model's. So each side becomes one (`marian_sentencepiece`): a copy of its `.spm`, normalisation and all, whose
+  pieces are renumbered to our ids, with the pieces of the other side in their places as unused pieces (never
+  produced on this side). A piece of the `.spm` that `vocab.json` lacks, which `MarianTokenizer` turns into
+  `<unk>`, is dropped, so sentencepiece segments around it instead (the import counts them).
+
 A configuration this mapping does not cover is refused with a `MarianError` that names the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -167,3 +177,112 @@ def transformer_weights(state: dict, config: dict) -> dict:
         feed_forward(f"{ours}/feed_forward", theirs)
         norm(f"{ours}/feed_forward_norm", f"{theirs}.final_layer_norm")
     return weights
+
+
+# ---------------------------------------------------------------- the vocabularies
+
+# A Hugging Face Marian directory's files (transformers' `MarianTokenizer.vocab_files_names`, its model's).
+MARIAN_FILES = {"config": "config.json", "weights": "model.safetensors", "source_spm": "source.spm",
+                "target_spm": "target.spm", "vocab": "vocab.json"}
+MARIAN_SPECIAL_PIECES = ("</s>", "<unk>", "<pad>")  # Marian's ids 0, 1 and V - 1
+
+
+def check_marian_vocab(vocab: dict, vocab_size: int) -> None:
+    """A `MarianError` unless `vocab` (`vocab.json`: piece -> id) numbers the config's `vocab_size` ids once
+    each, with `</s>` 0, `<unk>` 1 and `<pad>` last."""
+    ids = sorted(vocab.values())
+    if ids != list(range(vocab_size)):
+        raise MarianError(f"Marian vocab.json: its {len(vocab):,} ids are not 0 to {vocab_size - 1} once each "
+                          f"(config.json's vocab_size={vocab_size})")
+    for piece, expected in zip(MARIAN_SPECIAL_PIECES, (MARIAN_EOS_ID, MARIAN_UNK_ID, vocab_size - 1)):
+        if vocab.get(piece) != expected:
+            raise MarianError(f"Marian vocab.json: {piece} is {vocab.get(piece)!r}, Marian's is {expected}")
+
+
+def marian_sentencepiece(spm_proto: bytes, vocab: dict) -> tuple[bytes, int]:
+    """One side's Marian tokenizer as a sentencepiece model proto in this library's ids: `spm_proto` (the
+    bytes of `source.spm` or `target.spm`) with its pieces renumbered by `vocab` (`vocab.json`, piece ->
+    Marian id) through `MarianIds`: our id i is the piece of Marian's id `ours_to_marian[i]`, with the
+    `.spm`'s score and type where it has the piece, else unused (the other side's pieces: never produced
+    here); pad, unk, start and end are ours. Returns the proto and how many of the `.spm`'s pieces
+    `vocab` lacks (dropped: `MarianTokenizer` makes them `<unk>`, sentencepiece now segments around them)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf, sentencepiece's own schema
+
+    check_marian_vocab(vocab, len(vocab))
+    model = pb.ModelProto()
+    model.ParseFromString(spm_proto)
+    Piece = pb.ModelProto.SentencePiece
+    own = {p.piece: (p.score, p.type) for p in model.pieces if p.type in (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE)}
+    by_id = {i: piece for piece, i in vocab.items()}
+    del model.pieces[:]
+    specials = {PAD_ID: ("<pad>", Piece.CONTROL), UNK_ID: ("<unk>", Piece.UNKNOWN), START_ID: ("<s>", Piece.CONTROL),
+                END_ID: ("</s>", Piece.CONTROL)}
+    for ours, theirs in enumerate(MarianIds(len(vocab)).ours_to_marian):
+        if ours in specials:
+            piece, kind = specials[ours]
+            model.pieces.add(piece=piece, score=0.0, type=kind)
+            continue
+        piece = by_id[int(theirs)]
+        score, kind = own.get(piece, (0.0, Piece.UNUSED))
+        model.pieces.add(piece=piece, score=score, type=kind)
+    spec = model.trainer_spec
+    spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, START_ID, END_ID
+    spec.pad_piece, spec.unk_piece, spec.bos_piece, spec.eos_piece = "<pad>", "<unk>", "<s>", "</s>"
+    spec.vocab_size = len(model.pieces)
+    return model.SerializeToString(), sum(piece not in vocab for piece in own)
+
+
+@dataclasses.dataclass
+class MarianCheckpoint:
+    """A Hugging Face Marian directory, read (`read_marian_dir`)."""
+
+    config: dict  # config.json
+    state: dict  # model.safetensors: {key: numpy array}
+    source_spm: bytes
+    target_spm: bytes
+    vocab: dict  # vocab.json: piece -> Marian id
+    tokenizer_config: dict  # tokenizer_config.json ({} without one): source_lang, target_lang, separate_vocabs
+    generation_config: dict  # generation_config.json ({} without one): num_beams, max_length, ...
+
+
+def read_marian_dir(path) -> MarianCheckpoint:
+    """A Hugging Face Marian (OPUS-MT) directory as `MarianCheckpoint`, with numpy and safetensors (no PyTorch
+    or transformers). A `MarianError` names a missing file or a configuration, vocabulary or tokenizer the
+    mapping does not cover; a `FileNotFoundError` a directory that is not there."""
+    from safetensors.numpy import load_file
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory (a Hugging Face Marian model's, e.g. a download of "
+                                "Helsinki-NLP/opus-mt-en-de)")
+    files = {name: root / file for name, file in MARIAN_FILES.items()}
+    if not files["weights"].is_file() and (root / "pytorch_model.bin").is_file():
+        raise MarianError(f"{root} has pytorch_model.bin but no model.safetensors: the import reads safetensors "
+                          "only (it never loads PyTorch). Download the model's model.safetensors (most OPUS-MT "
+                          "repositories have one), or convert it once with transformers: "
+                          "MarianMTModel.from_pretrained(DIR).save_pretrained(DIR)")
+    for name, file in files.items():
+        if not file.is_file():
+            raise MarianError(f"{root}: {file.name} is missing (a Marian directory has "
+                              f"{', '.join(MARIAN_FILES.values())})")
+
+    def json_file(name, required=True):
+        file = root / name
+        if not file.is_file() and not required:
+            return {}
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise MarianError(f"{file}: not JSON ({e})") from None
+
+    config = json_file(MARIAN_FILES["config"])
+    check_marian_config(config)
+    tokenizer_config = json_file("tokenizer_config.json", required=False)
+    if tokenizer_config.get("separate_vocabs"):
+        raise MarianError(f"{root / 'tokenizer_config.json'}: separate_vocabs=True is not supported: only one "
+                          "vocabulary shared by source and target (vocab.json) is mapped")
+    vocab = json_file(MARIAN_FILES["vocab"])
+    check_marian_vocab(vocab, config["vocab_size"])
+    return MarianCheckpoint(config, load_file(files["weights"]), files["source_spm"].read_bytes(),
+                            files["target_spm"].read_bytes(), vocab, tokenizer_config,
+                            json_file("generation_config.json", required=False))
