@@ -106,3 +106,18 @@ def test_kt_import_refuses_what_it_cannot_read_naming_it(marian_dir, tmp_path, c
         assert {"bin": "pytorch_model.bin but no model.safetensors", "vocab": "vocab.json is missing",
                 "config": "normalize_before=True is not supported"}[case] in err, err
         assert not (tmp_path / f"run-{case}" / "config.json").exists()
+
+
+def test_init_from_a_run_with_a_vocabulary_per_side_is_refused_by_name(tmp_path):
+    """Fine-tuning reads one joint vocabulary: `kt-train --init-from` an imported run (two tokenizers) is refused
+    with a `ConfigError` saying so, before anything trains, instead of reading its targets with the source's."""
+    from training.errors import ConfigError
+    from training.fine_tune import resolve_init_from
+
+    (tmp_path / "config.json").write_text(json.dumps({"tokenizer_file": "tokenizer.model", "model_file": "model.keras",
+                                                      "target_tokenizer_file": "target_tokenizer.model",
+                                                      "model_config": {}}))
+    for name in ("tokenizer.model", "target_tokenizer.model", "model.keras"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(ConfigError, match="a vocabulary per side .* not supported yet"):
+        resolve_init_from(tmp_path)

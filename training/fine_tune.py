@@ -38,6 +38,10 @@ def resolve_init_from(path) -> InitFrom:
         config = read_config(model_dir)
     except FileNotFoundError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
+    if config.get("target_tokenizer_file"):
+        raise ConfigError(f"--init-from {path}: this run has a vocabulary per side (source and target, as an "
+                          "imported Marian model has), and fine-tuning reads one joint vocabulary: fine-tuning such "
+                          "a run is not supported yet")
     model_file = model_file or model_dir / config.get("model_file", MODEL_FILENAME)
     tokenizer_file = tokenizer_path(model_dir, config)
     for needed in (model_file, tokenizer_file):
