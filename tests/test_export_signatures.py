@@ -45,10 +45,10 @@ def reference(quick_model_dir):
     def too_long(texts):
         return [len(sp.encode(t)) > config["max_source_length"] - 1 for t in texts]
 
-    def detokenize(tokens):
+    def detokenize(tokens):  # as `common.tokenizer.decode_output`: no whitespace at either end (ASCII's, as TF's)
         rows = [list(row) for row in np.asarray(tokens)]
-        return [sp.decode([int(i) for i in (row[: row.index(END_ID)] if END_ID in row else row) if i != 0])
-                for row in rows]
+        return [sp.decode([int(i) for i in (row[: row.index(END_ID)] if END_ID in row else row) if i != 0]).strip(
+            " \t\n\v\f\r") for row in rows]
 
     @tf.function
     def sample(source, seed, temperature, top_k):
