@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ import keras
 
 import keras_transformer as kt
 from keras_transformer.renamed import renamed_note
-from keras_transformer.text import read_tokenizer_proto
+from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, read_tokenizer_proto
 
 CONFIG_FILENAME = "config.json"
 MODEL_FILENAME = "model.keras"
@@ -80,6 +81,43 @@ def target_tokenizer_path(model_dir, config) -> Path | None:
     None for a run with one joint vocabulary."""
     name = config.get("target_tokenizer_file")
     return None if name is None else Path(model_dir) / name
+
+
+def write_run_config(model_dir, *, source_lang: str, target_lang: str, vocab_size: int, max_source_length,
+                     model, policy: str, preset, training: dict, target_tokenizer: bool = False,
+                     extra: dict | None = None) -> Path:
+    """Writes MODEL_DIR/config.json atomically (`read_config` reads it): the languages, the ids, the vocabulary's
+    file names (with `target_tokenizer`, a run with one per side: "target_tokenizer_file" too), the longest source
+    the model translates (`max_source_length`), the model's configuration (`model.get_config()`), its dtype
+    `policy`, the `preset` it was built from (None: none), the settings it was made with (`training`, as the
+    commands after it read them: beam_size, length_penalty, lowercase, ...), and `extra`'s keys. kt-train
+    (`training.config.write_config`) and kt-import write through it."""
+    tokenizers = ("tokenizer_file", "target_tokenizer_file") if target_tokenizer else ("", "")
+    out = {
+        "source_lang": source_lang,
+        "target_lang": target_lang,
+        "vocab_size": vocab_size,
+        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
+        "start_id": START_ID, "end_id": END_ID,
+        "source_format": f"sentencepiece pieces{tokenizers[0] and f' ({tokenizers[0]})'} + [eos_id]",
+        "target_format": f"decoder input [bos_id] + pieces{tokenizers[1] and f' ({tokenizers[1]})'}; "
+                         "output pieces + [eos_id]",
+        "max_source_length": max_source_length,
+        "tokenizer_file": TOKENIZER_FILENAME,
+        **({"target_tokenizer_file": TARGET_TOKENIZER_FILENAME} if target_tokenizer else {}),
+        "model_file": MODEL_FILENAME,
+        "checkpoint_dir": CHECKPOINT_DIR,
+        "preset": preset,
+        "model_config": {k: v for k, v in model.get_config().items() if k not in ("name", "trainable", "dtype")},
+        "dtype_policy": policy,
+        "training": training,
+        **(extra or {}),
+    }
+    path = Path(model_dir) / CONFIG_FILENAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=2, default=str))
+    os.replace(tmp, path)
+    return path
 
 
 def load_tokenizer(model_dir, config):

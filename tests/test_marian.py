@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MarianConfig, Ma
 
 import keras_transformer as kt
 from keras_transformer.text import END_ID, START_ID
-from training.marian import MarianIds, transformer_arguments, transformer_weights
+from training.marian import MarianIds, marian_transformer
 from marian_reference import OnOurTerms
 
 
@@ -129,13 +129,7 @@ def check(out, activation):
     reference.save_pretrained(out)
     config_json = json.loads((out / "config.json").read_text())
     state = load_file(out / "model.safetensors")
-    model = kt.Transformer(**transformer_arguments(config_json))
-    model.build()
-    weights = transformer_weights(state, config_json)
-    by_path = {w.path.split("/", 1)[1]: w for w in model.weights}
-    assert sorted(by_path) == sorted(weights), sorted(set(by_path) ^ set(weights))
-    for path, weight in by_path.items():
-        weight.assign(weights[path])
+    model = marian_transformer(config_json, state)  # a MarianError if a weight is unmapped either way
 
     ids = MarianIds(V)
     rng = np.random.default_rng(1)

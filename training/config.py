@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import typing
 from pathlib import Path
 
-from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, DEFAULT_AVERAGE_LAST, DEFAULT_BEAM_SIZE,
-                            DEFAULT_LENGTH_PENALTY, MODEL_FILENAME, RENAMED_SETTINGS, TOKENIZER_FILENAME,
-                            add_renamed_flags, take_renamed_flags)
+from common.run_dir import (DEFAULT_AVERAGE_LAST, DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY, RENAMED_SETTINGS,
+                            add_renamed_flags, take_renamed_flags, write_run_config)
 from keras_transformer.renamed import renamed_note
-from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID, VOCAB_TYPES
+from keras_transformer.text import VOCAB_TYPES
 from keras_transformer.decoding import EXTRA_OUTPUT_LENGTH
 from training.trees import METRICS
 from training.errors import ConfigError
@@ -454,35 +452,15 @@ def _flag(name: str) -> str:
     return flags_of(name)[0].name
 
 
-def write_config(settings: TrainSettings, model_dir: Path, vocab_size: int, model, policy: str, extra=None) -> Path:
-    """Writes MODEL_DIR/config.json atomically (common.run_dir.read_config reads it): the run's languages, ids,
-    vocabulary and file names, the longest source its model translates (`max_source_length`, the training
-    pairs' `max_sentence_length`), the model's configuration and dtype policy, and every setting ("training")."""
-    out = {
-        "source_lang": settings.source_lang,
-        "target_lang": settings.target_lang,
-        "vocab_size": vocab_size,
-        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID,
-        "start_id": START_ID, "end_id": END_ID,
-        "source_format": "sentencepiece pieces + [eos_id]",
-        "target_format": "decoder input [bos_id] + pieces; output pieces + [eos_id]",
-        "max_source_length": settings.max_sentence_length,
-        "tokenizer_file": TOKENIZER_FILENAME,
-        "model_file": MODEL_FILENAME,
-        "checkpoint_dir": CHECKPOINT_DIR,
-        "preset": settings.preset,
-        "model_config": {k: v for k, v in model.get_config().items()
-                         if k not in ("name", "trainable", "dtype")},
-        "dtype_policy": policy,
-        "training": settings.to_dict(),
-    }
-    if extra:
-        out.update(extra)
-    path = Path(model_dir) / CONFIG_FILENAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+def write_config(settings: TrainSettings, model_dir: Path, vocab_size: int, model, policy: str, extra=None, *,
+                 target_tokenizer: bool = False) -> Path:
+    """Writes MODEL_DIR/config.json (`common.run_dir.write_run_config`) of a run with `settings`: its languages,
+    the longest source its model translates (`max_source_length`, the training pairs' `max_sentence_length`),
+    its preset, and every setting ("training"). `target_tokenizer`: the run has a vocabulary per side."""
+    return write_run_config(model_dir, source_lang=settings.source_lang, target_lang=settings.target_lang,
+                            vocab_size=vocab_size, max_source_length=settings.max_sentence_length, model=model,
+                            policy=policy, preset=settings.preset, training=settings.to_dict(),
+                            target_tokenizer=target_tokenizer, extra=extra)
 
 
 def batch_plan(settings: TrainSettings, replicas: int, previous: dict | None = None) -> dict:

@@ -20,8 +20,6 @@ configuration the mapping does not cover is refused, naming the key. Writes to -
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,12 +28,9 @@ from common.native_logs import VERBOSE_HELP, quiet_import_for_commands
 # Before TensorFlow is imported: a command prints none of its C++ start-up lines (see common/native_logs.py).
 quiet_import_for_commands(__name__)
 
-import keras_transformer as kt  # noqa: E402
-from common.run_dir import (CHECKPOINT_DIR, CONFIG_FILENAME, DEFAULT_BEAM_SIZE, MODEL_FILENAME,  # noqa: E402
-                            TARGET_TOKENIZER_FILENAME, TOKENIZER_FILENAME)
-from keras_transformer.text import END_ID, PAD_ID, START_ID, UNK_ID  # noqa: E402
-from training.marian import (MarianError, marian_sentencepiece, read_marian_dir, transformer_arguments,  # noqa: E402
-                             transformer_weights)
+from common.run_dir import (CONFIG_FILENAME, DEFAULT_BEAM_SIZE, MODEL_FILENAME, TARGET_TOKENIZER_FILENAME,  # noqa: E402
+                            TOKENIZER_FILENAME, read_config, write_run_config)
+from training.marian import MarianError, marian_sentencepiece, marian_transformer, read_marian_dir  # noqa: E402
 
 # Transformers ranks beam hypotheses by log P / length ** 1.0 by default (OPUS-MT's generation configs set no
 # other); this library by log P / ((5 + length) / 6) ** alpha. Their exponents, both 1.0, normalise by length
@@ -43,20 +38,6 @@ from training.marian import (MarianError, marian_sentencepiece, read_marian_dir,
 DEFAULT_LENGTH_PENALTY = 1.0
 # The longest source Marian's position table (max_position_embeddings rows) holds, where config.json has none.
 MARIAN_MAX_POSITIONS = 512
-
-
-def marian_transformer(checkpoint) -> kt.Transformer:
-    """The built `kt.Transformer` of a `MarianCheckpoint` (`read_marian_dir`), its weights Marian's."""
-    model = kt.Transformer(**transformer_arguments(checkpoint.config))
-    model.build()
-    weights = transformer_weights(checkpoint.state, checkpoint.config)
-    by_path = {w.path.split("/", 1)[1]: w for w in model.weights}
-    missing = sorted(set(by_path) - set(weights))
-    if missing:
-        raise MarianError(f"Marian checkpoint: no weight maps to the model's {', '.join(missing)}")
-    for path, variable in by_path.items():
-        variable.assign(weights[path])
-    return model
 
 
 def languages(checkpoint, source_lang, target_lang, directory) -> tuple[str, str]:
@@ -75,7 +56,7 @@ def import_marian(directory, model_dir, *, source_lang=None, target_lang=None) -
     its config.json as a dict."""
     checkpoint = read_marian_dir(directory)
     source, target = languages(checkpoint, source_lang, target_lang, directory)
-    model = marian_transformer(checkpoint)
+    model = marian_transformer(checkpoint.config, checkpoint.state)
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     dropped = {}
@@ -86,31 +67,16 @@ def import_marian(directory, model_dir, *, source_lang=None, target_lang=None) -
     model.save(out / MODEL_FILENAME)
     generation = checkpoint.generation_config
     codes = sorted(piece for piece in checkpoint.vocab if piece.startswith(">>") and piece.endswith("<<"))
-    config = {
-        "source_lang": source, "target_lang": target,
-        "vocab_size": model.vocab_size,
-        "pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": START_ID, "eos_id": END_ID, "start_id": START_ID,
-        "end_id": END_ID,
-        "source_format": "sentencepiece pieces (tokenizer_file) + [eos_id]",
-        "target_format": "decoder input [bos_id] + pieces (target_tokenizer_file); output pieces + [eos_id]",
-        "max_source_length": checkpoint.config.get("max_position_embeddings", MARIAN_MAX_POSITIONS),
-        "tokenizer_file": TOKENIZER_FILENAME,
-        "target_tokenizer_file": TARGET_TOKENIZER_FILENAME,
-        "model_file": MODEL_FILENAME,
-        "checkpoint_dir": CHECKPOINT_DIR,
-        "preset": None,
-        "model_config": {k: v for k, v in model.get_config().items() if k not in ("name", "trainable", "dtype")},
-        "dtype_policy": "float32",
-        "training": {"beam_size": int(generation.get("num_beams") or DEFAULT_BEAM_SIZE),
-                     "length_penalty": DEFAULT_LENGTH_PENALTY, "lowercase": False},
-        "imported_from": {"format": "marian", "directory": str(Path(directory).resolve()),
-                          "marian_vocab_size": checkpoint.config["vocab_size"],
-                          "pieces_not_in_vocab": dropped, "language_codes": codes},
-    }
-    tmp = out / (CONFIG_FILENAME + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2))
-    os.replace(tmp, out / CONFIG_FILENAME)
-    return config
+    write_run_config(
+        out, source_lang=source, target_lang=target, vocab_size=model.vocab_size,
+        max_source_length=checkpoint.config.get("max_position_embeddings", MARIAN_MAX_POSITIONS), model=model,
+        policy="float32", preset=None, target_tokenizer=True,
+        training={"beam_size": int(generation.get("num_beams") or DEFAULT_BEAM_SIZE),
+                  "length_penalty": DEFAULT_LENGTH_PENALTY, "lowercase": False},
+        extra={"imported_from": {"format": "marian", "directory": str(Path(directory).resolve()),
+                                 "marian_vocab_size": checkpoint.config["vocab_size"],
+                                 "pieces_not_in_vocab": dropped, "language_codes": codes}})
+    return read_config(out)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -179,6 +179,25 @@ def transformer_weights(state: dict, config: dict) -> dict:
     return weights
 
 
+
+def marian_transformer(config: dict, state: dict):
+    """The built `keras_transformer.Transformer` of a Marian `config` (config.json as a dict) with the weights of
+    `state` (its safetensors, `{key: array}`) mapped (`transformer_arguments`, `transformer_weights`). A
+    `MarianError` names a weight of the model that nothing maps to, or a mapped weight the model lacks."""
+    import keras_transformer as kt
+
+    model = kt.Transformer(**transformer_arguments(config))
+    model.build()
+    weights = transformer_weights(state, config)
+    by_path = {w.path.split("/", 1)[1]: w for w in model.weights}
+    for unmapped, where in ((set(by_path) - set(weights), "no weight maps to the model's"),
+                            (set(weights) - set(by_path), "the model has no weight for the mapped")):
+        if unmapped:
+            raise MarianError(f"Marian checkpoint: {where} {', '.join(sorted(unmapped))}")
+    for path, variable in by_path.items():
+        variable.assign(weights[path])
+    return model
+
 # ---------------------------------------------------------------- the vocabularies
 
 # A Hugging Face Marian directory's files (transformers' `MarianTokenizer.vocab_files_names`, its model's).
@@ -202,13 +221,12 @@ def check_marian_vocab(vocab: dict, vocab_size: int) -> None:
 def marian_sentencepiece(spm_proto: bytes, vocab: dict) -> tuple[bytes, int]:
     """One side's Marian tokenizer as a sentencepiece model proto in this library's ids: `spm_proto` (the
     bytes of `source.spm` or `target.spm`) with its pieces renumbered by `vocab` (`vocab.json`, piece ->
-    Marian id) through `MarianIds`: our id i is the piece of Marian's id `ours_to_marian[i]`, with the
-    `.spm`'s score and type where it has the piece, else unused (the other side's pieces: never produced
-    here); pad, unk, start and end are ours. Returns the proto and how many of the `.spm`'s pieces
+    Marian id, as `read_marian_dir` checked it with `check_marian_vocab`) through `MarianIds`: our id i is the
+    piece of Marian's id `ours_to_marian[i]`, with the `.spm`'s score and type where it has the piece, else
+    unused (the other side's pieces: never produced here); pad, unk, start and end are ours. Returns the proto and how many of the `.spm`'s pieces
     `vocab` lacks (dropped: `MarianTokenizer` makes them `<unk>`, sentencepiece now segments around them)."""
     from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf, sentencepiece's own schema
 
-    check_marian_vocab(vocab, len(vocab))
     model = pb.ModelProto()
     model.ParseFromString(spm_proto)
     Piece = pb.ModelProto.SentencePiece
