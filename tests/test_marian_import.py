@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the export's graph holds)
 
-from conftest import MULTI30K, REPO, backend_python, built_once, multi30k_lines, run_on_backend, write_lines
+from conftest import (MULTI30K, REPO, backend_python, built_once, history_rows, multi30k_lines, run_on_backend,
+                      write_lines)
 from training.import_marian import main as kt_import
 from training.marian import MarianIds
 
@@ -108,16 +109,65 @@ def test_kt_import_refuses_what_it_cannot_read_naming_it(marian_dir, tmp_path, c
         assert not (tmp_path / f"run-{case}" / "config.json").exists()
 
 
-def test_init_from_a_run_with_a_vocabulary_per_side_is_refused_by_name(tmp_path):
-    """Fine-tuning reads one joint vocabulary: `kt-train --init-from` an imported run (two tokenizers) is refused
-    with a `ConfigError` saying so, before anything trains, instead of reading its targets with the source's."""
+def test_an_imported_model_fine_tunes_on_multi30k_with_its_vocabulary_and_the_result_exports_and_serves(
+        marian_dir, tmp_path, capsys):
+    """`kt-train --init-from` an imported run, on 400 Multi30k training pairs read as text (--max-train-examples)
+    with 100 of its validation pairs: the run keeps both tokenizers (config.json's "target_tokenizer_file"), reads
+    the targets with target.spm's, starts from a validation loss below a uniform guess's (label smoothing's share
+    of the never-output pad and start ids is finite: `training.marian.MASKED_LOGIT`), and lowers it. kt-evaluate
+    scores the fine-tuned run, and its export translates text into target pieces. A corpus kt-prepare would
+    tokenize (with one vocabulary) is refused by name."""
+    from export.export_model import export
+    from training.config import resolve_settings
+    from training.evaluate import main as kt_evaluate
     from training.errors import ConfigError
-    from training.fine_tune import resolve_init_from
+    from training.fit import train
 
-    (tmp_path / "config.json").write_text(json.dumps({"tokenizer_file": "tokenizer.model", "model_file": "model.keras",
-                                                      "target_tokenizer_file": "target_tokenizer.model",
-                                                      "model_config": {}}))
-    for name in ("tokenizer.model", "target_tokenizer.model", "model.keras"):
-        (tmp_path / name).write_bytes(b"")
-    with pytest.raises(ConfigError, match="a vocabulary per side .* not supported yet"):
-        resolve_init_from(tmp_path)
+    imported = tmp_path / "imported"
+    assert kt_import(["--marian", str(marian_dir), "--model-dir", str(imported)]) == 0
+    files = {}
+    for split, first, n in (("train", 2000, 400), ("val", 0, 100)):
+        files[split] = [str(write_lines(tmp_path / f"{split}.{lang}", multi30k_lines(f"{split}.{lang}", first + n)[first:]))
+                        for lang in ("en", "de")]
+    run = tmp_path / "run"
+    args = ["--init-from", str(imported), "--model-dir", str(run), "--train-files", *files["train"],
+            "--valid-files", *files["val"], "--epochs", "2", "--steps-per-epoch", "10", "--warmup-steps", "20",
+            "--learning-rate-scale", "0.05",
+            "--tokens-per-batch", "1024", "--no-mixed-precision", "--verbose", "0"]
+    with pytest.raises(ConfigError, match="has a vocabulary per side .* --max-train-examples"):
+        train(resolve_settings([*args[:2], "--model-dir", str(tmp_path / "prepared"), *args[4:]]))
+    summary = train(resolve_settings([*args, "--max-train-examples", "400"]))
+    out = capsys.readouterr().out
+    assert "target tokenizer: " in out and "a vocabulary per side" in out, out
+    config = json.loads((run / "config.json").read_text())
+    assert config["target_tokenizer_file"] == "target_tokenizer.model"
+    for name in ("tokenizer.model", "target_tokenizer.model"):
+        assert (run / name).read_bytes() == (imported / name).read_bytes(), name
+    vocab_size = json.loads((imported / "config.json").read_text())["vocab_size"]
+    val_losses = [float(row["val_loss"]) for row in history_rows(run)]
+    assert summary["initial_val_loss"] < np.log(vocab_size), (summary["initial_val_loss"], np.log(vocab_size))
+    assert val_losses[-1] < summary["initial_val_loss"] - 0.05, (summary["initial_val_loss"], val_losses)
+
+    assert kt_evaluate(["--model-dir", str(run), "--source-file", files["val"][0], "--references", files["val"][1],
+                        "--max-examples", "16", "--beam-size", "1", "--no-progress"]) == 0
+    scores = json.loads(next(run.glob("hyp.*.scores.json")).read_text())
+    assert scores["sentences"] == 16 and scores["bleu"] > 0, scores
+
+    saved = export(run, tmp_path / "export", check_ops=False, beam_size=2)
+    loaded = tf.saved_model.load(str(saved))
+    texts = tf.constant(multi30k_lines("val.en", 3))
+    served = loaded.signatures["serving_default"](text=texts)["translation"].numpy()
+    pieces = loaded.signatures["align"](text=texts)["target_pieces"].numpy()
+    target_pieces = set(spm_pieces(imported / "target_tokenizer.model"))
+    for text, row in zip(served, pieces):
+        used = [p.decode() for p in row if p]
+        assert text.decode() and used[-1] == "</s>" and set(used[:-1]) <= target_pieces, (text, used)
+
+
+def spm_pieces(path):
+    """The pieces a sentencepiece model produces (not its unused or control ones)."""
+    import sentencepiece as spm
+
+    model = spm.SentencePieceProcessor(model_file=str(path))
+    return [model.id_to_piece(i) for i in range(model.get_piece_size())
+            if not (model.is_unused(i) or model.is_control(i))]

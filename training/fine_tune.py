@@ -1,8 +1,8 @@
 """Fine-tuning (`kt-train --init-from`): the trained model a run starts from, and its weights.
 
-The run reuses that model's vocabulary and architecture, loads its weights
-into the new model, and trains with a fresh optimizer and learning-rate
-schedule (`training.fit`).
+The run reuses that model's vocabulary (one joint sentencepiece model, or one per side, as an imported Marian
+model has) and architecture, loads its weights into the new model, and trains with a fresh optimizer and
+learning-rate schedule (`training.fit`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import keras
 
-from common.run_dir import MODEL_FILENAME, read_config, tokenizer_path
+from common.run_dir import MODEL_FILENAME, read_config, target_tokenizer_path, tokenizer_path
 from training.errors import ConfigError
 
 
@@ -20,9 +20,10 @@ class InitFrom(NamedTuple):
     """The trained model a fine-tuning run (`--init-from`) starts from."""
 
     model_file: Path
-    tokenizer_file: Path
+    tokenizer_file: Path  # the source's, in a run with a vocabulary per side
     model_config: dict
     preset: str | None
+    target_tokenizer_file: Path | None = None  # the target's, in a run with a vocabulary per side (an import)
 
 
 def resolve_init_from(path) -> InitFrom:
@@ -38,16 +39,12 @@ def resolve_init_from(path) -> InitFrom:
         config = read_config(model_dir)
     except FileNotFoundError as e:
         raise ConfigError(f"--init-from {path}: {e}") from None
-    if config.get("target_tokenizer_file"):
-        raise ConfigError(f"--init-from {path}: this run has a vocabulary per side (source and target, as an "
-                          "imported Marian model has), and fine-tuning reads one joint vocabulary: fine-tuning such "
-                          "a run is not supported yet")
     model_file = model_file or model_dir / config.get("model_file", MODEL_FILENAME)
-    tokenizer_file = tokenizer_path(model_dir, config)
-    for needed in (model_file, tokenizer_file):
-        if not needed.is_file():
+    tokenizer_file, target_file = tokenizer_path(model_dir, config), target_tokenizer_path(model_dir, config)
+    for needed in (model_file, tokenizer_file, target_file):
+        if needed is not None and not needed.is_file():
             raise ConfigError(f"--init-from {path}: {needed} is missing")
-    return InitFrom(model_file, tokenizer_file, config["model_config"], config.get("preset"))
+    return InitFrom(model_file, tokenizer_file, config["model_config"], config.get("preset"), target_file)
 
 
 def init_weights(init: InitFrom) -> list:

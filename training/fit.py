@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -27,9 +28,9 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import keras_transformer as kt
-from common.run_dir import (CHECKPOINT_DIR, CHECKPOINT_PATTERN, MODEL_FILENAME, TOKENIZER_FILENAME, epoch_checkpoints,
-                            read_config, update_checkpoints)
-from common.tokenizer import make_tokenizer
+from common.run_dir import (CHECKPOINT_DIR, CHECKPOINT_PATTERN, MODEL_FILENAME, TARGET_TOKENIZER_FILENAME,
+                            TOKENIZER_FILENAME, epoch_checkpoints, read_config, update_checkpoints)
+from common.tokenizer import SourceTargetTokenizer, make_tokenizer
 from keras_transformer.keras_internals import build_fit_state_now
 from keras_transformer.text import (check_special_ids, lowercases, read_tokenizer_proto, train_sentencepiece,
                                    vocab_size_of)
@@ -371,11 +372,26 @@ class Corpus:
 
 @dataclasses.dataclass(frozen=True)
 class Vocabulary:
-    """The run's sentencepiece vocabulary (`get_vocabulary`)."""
-    proto: bytes
+    """The run's sentencepiece vocabulary (`get_vocabulary`): one joint model, or one per side (a run
+    fine-tuned from an imported Marian model: `target_proto`, both in the model's ids)."""
+    proto: bytes  # the joint one, or the source side's
     lowercase: bool  # whether it case-folds
-    tokenizer: object  # `common.tokenizer.make_tokenizer`'s, most likely segmentation
     size: int
+    target_proto: bytes | None = None  # the target side's, in a run with one per side
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The run's tokenizer (`common.tokenizer`), its most likely segmentation: one model's, or a
+        `SourceTargetTokenizer` of a run with one per side."""
+        return self.sampling_tokenizer(None)
+
+    def sampling_tokenizer(self, sampling_alpha: float | None):
+        """As `tokenizer`, with sentencepiece's sampled segmentation at `sampling_alpha` (--subword-sampling;
+        None: the most likely)."""
+        source = make_tokenizer(self.proto, sampling_alpha=sampling_alpha)
+        if self.target_proto is None:
+            return source
+        return SourceTargetTokenizer(source, make_tokenizer(self.target_proto, sampling_alpha=sampling_alpha))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +404,7 @@ class Run:
     policy: str  # Keras' dtype policy, set for the fit
     plan: dict  # `training.config.batch_plan`
     init: InitFrom | None  # --init-from's model, or None
+    per_side: bool  # a vocabulary per side (`Vocabulary.target_proto`), which config.json records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +449,8 @@ def train(settings: TrainSettings, strategy=None) -> dict:
     run_settings = resolve_run_settings(settings, init=init, corpus=corpus, lowercase=vocabulary.lowercase, plan=plan)
     data = make_fit_data(run_settings, strategy, place, corpus, vocabulary, plan)
     with dtype_policy(run_settings) as policy:
-        run = Run(strategy, place, strategy.num_replicas_in_sync, vocabulary.size, policy, plan, init)
+        run = Run(strategy, place, strategy.num_replicas_in_sync, vocabulary.size, policy, plan, init,
+                  vocabulary.target_proto is not None)
         model = build_run_model(run_settings, run, data)
         initial_val_loss = loss_before_fine_tuning(model, run, data)
         callbacks = make_callbacks(run_settings, run, data)
@@ -477,6 +495,12 @@ def open_corpus(settings: TrainSettings, place: RunPlace, init: InitFrom | None)
     (`prepare_into_run`), unless --prepared gives it, and this worker's shards of it are checked
     (`open_for_worker`), and its languages and vocabulary against the run's (`ConfigError`)."""
     directory = settings.prepared
+    if init is not None and init.target_tokenizer_file is not None and (settings.prepared or not text_reason(settings)):
+        corpus = f"--prepared {settings.prepared}" if settings.prepared else "this corpus"
+        raise ConfigError(f"--init-from {settings.init_from} has a vocabulary per side (source and target, as an "
+                          f"imported Marian model has), and kt-prepare tokenizes with one: {corpus} cannot be "
+                          "prepared with it. Read the corpus as text instead: Multi30k is, and so are --train-files "
+                          "with --max-train-examples N (held in memory)")
     if text_reason(settings) is None:
         directory = prepare_into_run(settings, place.model_dir, place.is_chief, given_vocabulary(settings, init))
     if not directory:
@@ -507,7 +531,27 @@ def get_vocabulary(settings: TrainSettings, place: RunPlace, init: InitFrom | No
         given, flag = given_vocabulary(settings, init), "--init-from" if init is not None else "--tokenizer"
     proto, folding = get_tokenizer_proto(settings, corpus.pairs, place.model_dir, place.is_chief,
                                          tokenizer=given, flag=flag)
-    return Vocabulary(proto, folding, make_tokenizer(proto), vocab_size_of(proto))
+    target = target_tokenizer_proto(place, init)
+    if target is not None and vocab_size_of(target) != vocab_size_of(proto):
+        raise ConfigError(f"the source's vocabulary has {vocab_size_of(proto):,} ids and the target's "
+                          f"{vocab_size_of(target):,}: one model's must number the same ids")
+    return Vocabulary(proto, folding, vocab_size_of(proto), target)
+
+
+def target_tokenizer_proto(place: RunPlace, init: InitFrom | None) -> bytes | None:
+    """The target side's sentencepiece model of a run with a vocabulary per side, or None: --init-from's (an
+    imported Marian model's, copied into the run by the chief), else the run's own (a resumed run's)."""
+    path = place.model_dir / TARGET_TOKENIZER_FILENAME
+    given = init.target_tokenizer_file if init is not None else None
+    if given is None:
+        return read_tokenizer_proto(path) if path.is_file() else None
+    proto = read_tokenizer_proto(given)
+    check_special_ids(proto)
+    if place.is_chief:
+        path.write_bytes(proto)
+        print(f"[kt-train] target tokenizer: {given} (--init-from's: a vocabulary per side), copied to {path}",
+              flush=True)
+    return proto
 
 
 def plan_batches(settings: TrainSettings, replicas: int, place: RunPlace) -> dict:
@@ -599,8 +643,7 @@ def training_batches(settings: TrainSettings, strategy, place: RunPlace, corpus:
         # validation and a history row; the checkpoints follow the update count itself (`UpdateCheckpoint`).
         steps = settings.checkpoint_every * settings.grad_accum
     sampling_alpha = settings.subword_sampling
-    train_tokenizer = (make_tokenizer(vocabulary.proto, sampling_alpha=sampling_alpha) if sampling_alpha
-                       else vocabulary.tokenizer)
+    train_tokenizer = vocabulary.sampling_tokenizer(sampling_alpha) if sampling_alpha else vocabulary.tokenizer
     if corpus.prepared is not None:
         prepared, worker, pipeline = corpus.prepared, corpus.worker, corpus.pipeline
         # One batch per replica: each of this worker's replicas takes the next one in turn.
@@ -709,7 +752,8 @@ def build_run_model(settings: TrainSettings, run: Run, data: FitData):
         if weights is not None:
             set_init_weights(model, weights, init)
     if run.place.is_chief:
-        write_config(settings, run.place.model_dir, run.vocab_size, model, run.policy, extra=_config_extra(run, data))
+        write_config(settings, run.place.model_dir, run.vocab_size, model, run.policy, extra=_config_extra(run, data),
+                     target_tokenizer=run.per_side)
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     shape = f"preset {settings.preset}" + (f" with {json.dumps(settings.model)}" if settings.model else "")
     strategy_name = "MultiWorkerMirroredStrategy" if multi_worker else type(strategy).__name__.lstrip("_")
@@ -811,5 +855,5 @@ def save_run(model, settings: TrainSettings, run: Run, data: FitData, summary: d
     if run.place.is_chief:
         model.save(run.place.model_dir / MODEL_FILENAME)
         write_config(settings, run.place.model_dir, run.vocab_size, model, run.policy,
-                     extra={**_config_extra(run, data), "last_run": summary})
+                     extra={**_config_extra(run, data), "last_run": summary}, target_tokenizer=run.per_side)
     print("[kt-train] done " + json.dumps(summary), flush=True)

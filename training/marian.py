@@ -37,8 +37,11 @@ import numpy as np
 from keras_transformer.masking import PAD_ID
 from keras_transformer.text import END_ID, START_ID, UNK_ID
 
-# The bias of the logits of our pad and start ids: never an output, as in transformers' generation of Marian.
-MASKED_LOGIT = -1e9
+# The bias of the logits of our pad and start ids: never an output, as in transformers' generation of Marian
+# (their probability is about e^-100 of the others', nothing in float32). Finite, and not -1e9, for fine-tuning:
+# label smoothing puts eps / V of the target distribution on every id, so each of the two costs the loss
+# eps / V times its log-probability, about 100 here, where -1e9 made the loss of a token about 2e8 / V.
+MASKED_LOGIT = -100.0
 # Marian's "activation_function" values and the Keras activation of the same function.
 ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which Marian's layers keep
