@@ -16,46 +16,20 @@ sum of log-probabilities, so the two searches look for the same thing.
 
 import io
 import json
-import math
 import sys
 from pathlib import Path
 
 import sentencepiece as spm
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, MarianConfig, MarianMTModel, MarianTokenizer
+from transformers import GenerationConfig, LogitsProcessorList, MarianConfig, MarianMTModel, MarianTokenizer
+
+from bench.marian_bleu import on_our_terms  # the repository is on PYTHONPATH
 
 # Each output is at most its source's length + this many tokens: the export's --extra-output-length in the
 # tests, transformers' max_new_tokens here.
 EXTRA_OUTPUT_LENGTH = 20
 SPM_PIECES, TRAIN_LINES = 300, 3000
 TRAIN_STEPS, BATCH = 200, 64
-
-
-class OnOurTerms(LogitsProcessor):
-    """transformers' beam search scoring tokens as ours does, in the two places where their conventions differ.
-
-    - Marian's <pad> is never an output. transformers bans it (`bad_words_ids`) after the log-softmax, so its
-      probability is lost and the other tokens' log-probabilities no longer sum to 1; our mapping masks it before
-      (as transformers' Marian did until 2023, and as `renormalize_logits=True` does, which transformers PR #25459
-      asks Marian's generation configs to set). Here: the log-softmax again, over every id but <pad>.
-    - At the length limit our searches force the end token and count its log-probability. transformers without
-      `forced_eos_token_id` ends there on whatever token comes (no EOS), and with it scores the forced EOS as
-      log-probability 0 (and so would `renormalize_logits`, applied after every processor). Here: at the last
-      position only EOS, at its own log-probability.
-    """
-
-    def __init__(self, pad_id, eos_id, max_length):
-        self.pad_id, self.eos_id, self.max_length = pad_id, eos_id, max_length
-
-    def __call__(self, input_ids, scores):
-        scores = scores.clone()
-        scores[:, self.pad_id] = -math.inf
-        scores = torch.log_softmax(scores, dim=-1)
-        if input_ids.shape[-1] == self.max_length - 1:  # the position of the last token: only EOS may come
-            only_eos = torch.full_like(scores, -math.inf)
-            only_eos[:, self.eos_id] = scores[:, self.eos_id]
-            scores = only_eos
-        return scores
 
 
 def train_spm(path, lines):
@@ -119,12 +93,12 @@ def main(out, train_source, train_target, sentences_file):
         reference["source_ids"].append(ids)
         limit = len(ids) + EXTRA_OUTPUT_LENGTH
         common = dict(max_new_tokens=limit, do_sample=False, output_scores=True, return_dict_in_generate=True)
-        # Greedy as OPUS-MT's generation config has it. The beam scored as ours (`OnOurTerms`: <pad> renormalised
+        # Greedy as OPUS-MT's generation config has it. The beam scored as ours (`on_our_terms`: <pad> renormalised
         # away, the end forced at the limit at its own log-probability), ranked by the sum of log-probabilities
         # (length penalty 0, in both libraries), and done once 4 hypotheses have ended (early_stopping=True), as
         # ours is (tests/test_marian.py says how the two stop).
         beam = dict(num_beams=4, length_penalty=0.0, early_stopping=True, forced_eos_token_id=None,
-                    logits_processor=LogitsProcessorList([OnOurTerms(V - 1, 0, limit + 1)]))
+                    logits_processor=LogitsProcessorList([on_our_terms(V - 1, 0, limit + 1)]))
         with torch.no_grad():
             for search, options in (("greedy", dict(num_beams=1)), ("beam", beam)):
                 result = model.generate(torch.tensor([ids]), **options, **common)

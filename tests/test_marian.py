@@ -3,9 +3,9 @@ PyTorch test virtualenv, where transformers is installed), saved as Hugging Face
 the library's `Transformer` on the PyTorch backend, give the same logits, the same greedy output, and the same
 beam search output as transformers' `generate(num_beams=4)` where both rank by the same objective.
 
-transformers' beam search is made to score as ours (`OnOurTerms`): log-probabilities renormalised without Marian's
-<pad> (as `renormalize_logits=True` does; `bad_words_ids` alone leaves <pad>'s probability out of the sum), and at
-the length limit only EOS, counted at its own log-probability."""
+transformers' beam search is made to score as ours (`on_our_terms`, bench/marian_bleu.py): log-probabilities
+renormalised without Marian's <pad> (as `renormalize_logits=True` does; `bad_words_ids` alone leaves <pad>'s
+probability out of the sum), and at the length limit only EOS, counted at its own log-probability."""
 
 import pytest
 
@@ -24,7 +24,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MarianConfig, Ma
 import keras_transformer as kt
 from keras_transformer.text import END_ID, START_ID
 from training.marian import MarianIds, marian_transformer
-from marian_reference import OnOurTerms
+from bench.marian_bleu import on_our_terms
 
 
 def numpy(x):
@@ -59,7 +59,7 @@ def check_beams(reference, model, ids, V, rng):
     for alpha in (0.0, 1.0):
         generated = reference.generate(
             torch.tensor(source), attention_mask=torch.tensor(source != V - 1),
-            logits_processor=LogitsProcessorList([OnOurTerms(V - 1, 0, N + 1)]),
+            logits_processor=LogitsProcessorList([on_our_terms(V - 1, 0, N + 1)]),
             generation_config=GenerationConfig(
                 num_beams=4, do_sample=False, max_length=N + 1, early_stopping=alpha == 0.0, length_penalty=alpha,
                 decoder_start_token_id=V - 1, eos_token_id=0, pad_token_id=V - 1, bad_words_ids=[[V - 1]],
