@@ -115,8 +115,8 @@ def test_an_imported_model_fine_tunes_on_multi30k_with_its_vocabulary_and_the_re
     with 100 of its validation pairs: the run keeps both tokenizers (config.json's "target_tokenizer_file"), reads
     the targets with target.spm's, starts from a validation loss below a uniform guess's (label smoothing's share
     of the never-output pad and start ids is finite: `training.marian.MASKED_LOGIT`), and lowers it. kt-evaluate
-    scores the fine-tuned run, and its export translates text into target pieces. A corpus kt-prepare would
-    tokenize (with one vocabulary) is refused by name."""
+    scores the import and the fine-tuned run, and the fine-tuned run's export translates text into target
+    pieces. A corpus kt-prepare would tokenize (with one vocabulary) is refused by name."""
     from export.export_model import export
     from training.config import resolve_settings
     from training.evaluate import main as kt_evaluate
@@ -148,10 +148,11 @@ def test_an_imported_model_fine_tunes_on_multi30k_with_its_vocabulary_and_the_re
     assert summary["initial_val_loss"] < np.log(vocab_size), (summary["initial_val_loss"], np.log(vocab_size))
     assert val_losses[-1] < summary["initial_val_loss"] - 0.05, (summary["initial_val_loss"], val_losses)
 
-    assert kt_evaluate(["--model-dir", str(run), "--source-file", files["val"][0], "--references", files["val"][1],
-                        "--max-examples", "16", "--beam-size", "1", "--no-progress"]) == 0
-    scores = json.loads(next(run.glob("hyp.*.scores.json")).read_text())
-    assert scores["sentences"] == 16 and scores["bleu"] > 0, scores
+    for scored in (imported, run):  # kt-evaluate takes the import and the fine-tuned run alike
+        assert kt_evaluate(["--model-dir", str(scored), "--source-file", files["val"][0], "--references",
+                            files["val"][1], "--max-examples", "16", "--beam-size", "1", "--no-progress"]) == 0
+        scores = json.loads(next(scored.glob("hyp.*.scores.json")).read_text())
+        assert scores["sentences"] == 16 and scores["bleu"] > 0, (scored, scores)
 
     saved = export(run, tmp_path / "export", check_ops=False, beam_size=2)
     loaded = tf.saved_model.load(str(saved))
