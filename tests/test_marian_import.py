@@ -6,12 +6,14 @@ import json
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the sentencepiece ops the export's graph holds)
 
 from conftest import (MULTI30K, REPO, backend_python, built_once, history_rows, multi30k_lines, run_on_backend,
                       write_lines)
 from training.import_marian import main as kt_import
+from keras_transformer.text import END_ID
 from training.marian import MarianIds
 
 EXTRA_OUTPUT_LENGTH = 20  # tests/marian_reference.py's: transformers' max_new_tokens over the source's length
@@ -111,38 +113,59 @@ def test_kt_import_refuses_what_it_cannot_read_naming_it(marian_dir, tmp_path, c
 
 def test_an_imported_model_fine_tunes_on_multi30k_with_its_vocabulary_and_the_result_exports_and_serves(
         marian_dir, tmp_path, capsys):
-    """`kt-train --init-from` an imported run, on 400 Multi30k training pairs read as text (--max-train-examples)
-    with 100 of its validation pairs: the run keeps both tokenizers (config.json's "target_tokenizer_file"), reads
-    the targets with target.spm's, starts from a validation loss below a uniform guess's (label smoothing's share
-    of the never-output pad and start ids is finite: `training.marian.MASKED_LOGIT`), and lowers it. kt-evaluate
-    scores the import and the fine-tuned run, and the fine-tuned run's export translates text into target
-    pieces. A corpus kt-prepare would tokenize (with one vocabulary) is refused by name."""
+    """`kt-train --init-from` an imported run, on 400 Multi30k training pairs (--train-files, prepared into the run)
+    with 100 of its validation pairs (read as text): the run keeps both tokenizers (config.json's
+    "target_tokenizer_file"), its prepared corpus holds each source as source.spm segments it and each target as
+    target.spm does, it starts from a validation loss below a uniform guess's (label smoothing's share of the
+    never-output pad and start ids is finite: `training.marian.MASKED_LOGIT`), and lowers it. kt-evaluate scores the
+    import and the fine-tuned run, and the fine-tuned run's export translates text into target pieces. A corpus
+    prepared with one vocabulary is refused by name."""
+    import collections
+
     from export.export_model import export
     from training.config import resolve_settings
     from training.evaluate import main as kt_evaluate
     from training.errors import ConfigError
     from training.fit import train
+    from training.prepare import main as kt_prepare
+    from training.prepared_corpus import open_prepared, stream_batches
 
     imported = tmp_path / "imported"
     assert kt_import(["--marian", str(marian_dir), "--model-dir", str(imported)]) == 0
-    files = {}
+    files, lines = {}, {}
     for split, first, n in (("train", 2000, 400), ("val", 0, 100)):
-        files[split] = [str(write_lines(tmp_path / f"{split}.{lang}", multi30k_lines(f"{split}.{lang}", first + n)[first:]))
-                        for lang in ("en", "de")]
+        lines[split] = [multi30k_lines(f"{split}.{lang}", first + n)[first:] for lang in ("en", "de")]
+        files[split] = [str(write_lines(tmp_path / f"{split}.{lang}", side))
+                        for lang, side in zip(("en", "de"), lines[split])]
     run = tmp_path / "run"
     args = ["--init-from", str(imported), "--model-dir", str(run), "--train-files", *files["train"],
             "--valid-files", *files["val"], "--epochs", "2", "--steps-per-epoch", "10", "--warmup-steps", "20",
-            "--learning-rate-scale", "0.05",
-            "--tokens-per-batch", "1024", "--no-mixed-precision", "--verbose", "0"]
-    with pytest.raises(ConfigError, match="has a vocabulary per side .* --max-train-examples"):
-        train(resolve_settings([*args[:2], "--model-dir", str(tmp_path / "prepared"), *args[4:]]))
-    summary = train(resolve_settings([*args, "--max-train-examples", "400"]))
+            "--learning-rate-scale", "0.05", "--tokens-per-batch", "1024", "--no-mixed-precision", "--verbose", "0"]
+    joint = tmp_path / "joint"  # the sources' vocabulary for both sides
+    assert kt_prepare(["--out", str(joint), "--train-files", *files["train"], "--tokenizer",
+                       str(imported / "tokenizer.model"), "--shards", "2"]) == 0
+    with pytest.raises(ConfigError, match="prepared with another vocabulary than --init-from's: .*--target-tokenizer"):
+        train(resolve_settings([*args[:2], "--model-dir", str(tmp_path / "refused"), "--prepared", str(joint),
+                                *args[7:]]))  # not --train-files
+    summary = train(resolve_settings(args))
     out = capsys.readouterr().out
-    assert "target tokenizer: " in out and "a vocabulary per side" in out, out
+    assert "target tokenizer: " in out and "--target-tokenizer" in out, out
     config = json.loads((run / "config.json").read_text())
     assert config["target_tokenizer_file"] == "target_tokenizer.model"
     for name in ("tokenizer.model", "target_tokenizer.model"):
         assert (run / name).read_bytes() == (imported / name).read_bytes(), name
+
+    corpus = open_prepared(run / "prepared")
+    assert corpus.target_tokenizer_file.read_bytes() == (imported / "target_tokenizer.model").read_bytes()
+    sides = [spm.SentencePieceProcessor(model_file=str(imported / name))
+             for name in ("tokenizer.model", "target_tokenizer.model")]
+    source, target = (sp.encode(side) for sp, side in zip(sides, lines["train"]))
+    expected = collections.Counter((tuple(s) + (END_ID,), tuple(t) + (END_ID,)) for s, t in zip(source, target))
+    epoch = stream_batches(corpus, list(range(len(corpus.shards))), max_sentence_length=512, tokens_per_replica=4000,
+                           seed=1, epochs=1)
+    assert collections.Counter((tuple(int(x) for x in s[r] if x), tuple(int(x) for x in to[r] if x))
+                               for (s, _), to in epoch for r in range(len(s))) == expected
+
     vocab_size = json.loads((imported / "config.json").read_text())["vocab_size"]
     val_losses = [float(row["val_loss"]) for row in history_rows(run)]
     assert summary["initial_val_loss"] < np.log(vocab_size), (summary["initial_val_loss"], np.log(vocab_size))
@@ -167,8 +190,6 @@ def test_an_imported_model_fine_tunes_on_multi30k_with_its_vocabulary_and_the_re
 
 def spm_pieces(path):
     """The pieces a sentencepiece model produces (not its unused or control ones)."""
-    import sentencepiece as spm
-
     model = spm.SentencePieceProcessor(model_file=str(path))
     return [model.id_to_piece(i) for i in range(model.get_piece_size())
             if not (model.is_unused(i) or model.is_control(i))]

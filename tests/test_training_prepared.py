@@ -832,6 +832,20 @@ def test_kt_prepare_takes_the_vocabulary_settings_of_a_kt_train_config(tmp_path)
         parse_args(["--out", "o", "--config", str(config)])
 
 
+def test_kt_prepare_refuses_a_target_vocabulary_without_its_source_or_of_other_ids(prepared, tmp_path):
+    """--target-tokenizer (a vocabulary per side) needs --tokenizer, the sources', numbering the same ids."""
+    directory, _, _, src_file, tgt_file = prepared
+    tokenizer = str(directory / "tokenizer.model")
+    with pytest.raises(ConfigError, match="--target-tokenizer needs --tokenizer"):
+        prepare(_prepare_args(tmp_path / "a", src_file, tgt_file, "--target-tokenizer", tokenizer))
+    other = tmp_path / "other.model"  # the same corpus's vocabulary of another size
+    spm.SentencePieceTrainer.train(input=str(src_file), model_prefix=str(other.with_suffix("")), vocab_size=300,
+                                   pad_id=0, unk_id=1, bos_id=2, eos_id=3, minloglevel=2)
+    with pytest.raises(ConfigError, match=r"--target-tokenizer .*other.model has 300 ids and --tokenizer .* 600"):
+        prepare(_prepare_args(tmp_path / "b", src_file, tgt_file, "--tokenizer", tokenizer,
+                              "--target-tokenizer", str(other)))
+
+
 @needs_multi30k
 def test_kt_prepare_trains_a_byte_pair_vocabulary_on_request(tmp_path):
     """--vocab-type bpe (the paper's byte-pair encoding) gives sentencepiece's BPE model, unigram its unigram one;

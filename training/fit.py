@@ -99,12 +99,14 @@ def text_reason(settings: TrainSettings) -> str | None:
     return None
 
 
-def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool, vocabulary: str | None) -> str:
+def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool, vocabulary: str | None,
+                     target_vocabulary: str | None = None) -> str:
     """Prepares the run's training corpus into MODEL_DIR/prepared with kt-prepare (the chief; the other
     workers wait for its manifest) and returns that directory. The vocabulary is the run's own if it has one (a
     resumed run), else `vocabulary`, the one the run is given (--tokenizer's, or --init-from's:
-    `given_vocabulary`), else trained as kt-train trains one; a finished preparation is reused, a killed one
-    starts again."""
+    `given_vocabulary`), else trained as kt-train trains one; with a vocabulary per side, the targets' is the
+    run's own or `target_vocabulary` (--init-from's); a finished preparation is reused, a killed one starts
+    again."""
     from training.prepare import parse_args, prepare
     from training.prepared_corpus import MANIFEST_FILENAME
 
@@ -121,19 +123,22 @@ def prepare_into_run(settings: TrainSettings, model_dir: Path, is_chief: bool, v
         for flag, value in (("--data-dir", settings.data_dir), ("--tfds-data-dir", settings.tfds_data_dir)):
             if value:
                 argv += [flag, value]
-        own, given = model_dir / TOKENIZER_FILENAME, None
+        own, given, target = model_dir / TOKENIZER_FILENAME, None, None
         if own.is_file() and not (out / MANIFEST_FILENAME).is_file():
             # A run begun on its text keeps the vocabulary its checkpoints are in.
             given, what, whose = own, f"this run's vocabulary {own}", "the run's"
+            own_target = model_dir / TARGET_TOKENIZER_FILENAME
+            target = own_target if own_target.is_file() else None
         elif vocabulary:
             given, what = vocabulary, f"the vocabulary {vocabulary}"
             whose = "--init-from's" if settings.init_from else "--tokenizer's"
+            target = target_vocabulary
         if given is not None:
             # The vocabulary's checks first, naming the file given, before anything is prepared with it.
             proto = read_tokenizer_proto(given)
             check_special_ids(proto)
             _check_lowercase(settings, lowercases(proto), what, whose)
-            argv += ["--tokenizer", str(given)]
+            argv += ["--tokenizer", str(given)] + (["--target-tokenizer", str(target)] if target else [])
         else:
             argv += ["--vocab-size", str(settings.vocab_size), "--vocab-type", settings.vocab_type,
                      "--vocab-sample", str(settings.vocab_sample)]
@@ -495,14 +500,10 @@ def open_corpus(settings: TrainSettings, place: RunPlace, init: InitFrom | None)
     (`prepare_into_run`), unless --prepared gives it, and this worker's shards of it are checked
     (`open_for_worker`), and its languages and vocabulary against the run's (`ConfigError`)."""
     directory = settings.prepared
-    if init is not None and init.target_tokenizer_file is not None and (settings.prepared or not text_reason(settings)):
-        corpus = f"--prepared {settings.prepared}" if settings.prepared else "this corpus"
-        raise ConfigError(f"--init-from {settings.init_from} has a vocabulary per side (source and target, as an "
-                          f"imported Marian model has), and kt-prepare tokenizes with one: {corpus} cannot be "
-                          "prepared with it. Read the corpus as text instead: Multi30k is, and so are --train-files "
-                          "with --max-train-examples N (held in memory)")
+    init_target = init.target_tokenizer_file if init is not None else None
     if text_reason(settings) is None:
-        directory = prepare_into_run(settings, place.model_dir, place.is_chief, given_vocabulary(settings, init))
+        directory = prepare_into_run(settings, place.model_dir, place.is_chief, given_vocabulary(settings, init),
+                                     init_target)
     if not directory:
         pairs = load_text_pairs(data_spec(settings), "train", max_examples=settings.max_train_examples)
         return Corpus(None, directory, None, None, pairs)
@@ -515,10 +516,16 @@ def open_corpus(settings: TrainSettings, place: RunPlace, init: InitFrom | None)
         if getattr(settings, key) != corpus.manifest[key]:
             raise ConfigError(f"--{key.replace('_', '-')} {getattr(settings, key)} but {corpus.directory} was "
                               f"prepared with {corpus.manifest[key]}")
-    if init is not None and init.tokenizer_file.read_bytes() != corpus.tokenizer_file.read_bytes():
+    if init is not None and (init.tokenizer_file.read_bytes() != corpus.tokenizer_file.read_bytes()
+                             or _bytes(init_target) != _bytes(corpus.target_tokenizer_file)):
+        how = f"--tokenizer {init.tokenizer_file}" + (f" --target-tokenizer {init_target}" if init_target else "")
         raise ConfigError(f"{corpus.directory} was prepared with another vocabulary than --init-from's: prepare "
-                          f"it with kt-prepare --tokenizer {init.tokenizer_file}")
+                          f"it with kt-prepare {how}")
     return Corpus(corpus, directory, worker, pipeline, None)
+
+
+def _bytes(path: Path | None) -> bytes | None:
+    return None if path is None else path.read_bytes()
 
 
 def get_vocabulary(settings: TrainSettings, place: RunPlace, init: InitFrom | None, corpus: Corpus) -> Vocabulary:
@@ -531,25 +538,29 @@ def get_vocabulary(settings: TrainSettings, place: RunPlace, init: InitFrom | No
         given, flag = given_vocabulary(settings, init), "--init-from" if init is not None else "--tokenizer"
     proto, folding = get_tokenizer_proto(settings, corpus.pairs, place.model_dir, place.is_chief,
                                          tokenizer=given, flag=flag)
-    target = target_tokenizer_proto(place, init)
+    target = target_tokenizer_proto(place, init, corpus)
     if target is not None and vocab_size_of(target) != vocab_size_of(proto):
         raise ConfigError(f"the source's vocabulary has {vocab_size_of(proto):,} ids and the target's "
                           f"{vocab_size_of(target):,}: one model's must number the same ids")
     return Vocabulary(proto, folding, vocab_size_of(proto), target)
 
 
-def target_tokenizer_proto(place: RunPlace, init: InitFrom | None) -> bytes | None:
-    """The target side's sentencepiece model of a run with a vocabulary per side, or None: --init-from's (an
-    imported Marian model's, copied into the run by the chief), else the run's own (a resumed run's)."""
+def target_tokenizer_proto(place: RunPlace, init: InitFrom | None, corpus: Corpus) -> bytes | None:
+    """The target side's sentencepiece model of a run with a vocabulary per side, or None: a prepared corpus's
+    (its target ids are in it) or --init-from's (an imported Marian model's), copied into the run by the chief,
+    else the run's own (a resumed run's on text)."""
     path = place.model_dir / TARGET_TOKENIZER_FILENAME
-    given = init.target_tokenizer_file if init is not None else None
+    if corpus.prepared is not None:
+        given, flag = corpus.prepared.target_tokenizer_file, "--prepared"
+    else:
+        given, flag = (init.target_tokenizer_file if init is not None else None), "--init-from"
     if given is None:
-        return read_tokenizer_proto(path) if path.is_file() else None
+        return read_tokenizer_proto(path) if path.is_file() and corpus.prepared is None else None
     proto = read_tokenizer_proto(given)
     check_special_ids(proto)
     if place.is_chief:
         path.write_bytes(proto)
-        print(f"[kt-train] target tokenizer: {given} (--init-from's: a vocabulary per side), copied to {path}",
+        print(f"[kt-train] target tokenizer: {given} ({flag}'s: a vocabulary per side), copied to {path}",
               flush=True)
     return proto
 

@@ -54,7 +54,8 @@ from keras_transformer.text import (check_special_ids, lowercases, read_tokenize
                                    train_sentencepiece, vocab_size_of)
 from training.config import add_setting_flags, default  # noqa: E402
 from training.errors import ConfigError, DataError  # noqa: E402
-from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, VOCABULARY_FILENAME,  # noqa: E402
+from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, TARGET_VOCABULARY_FILENAME,  # noqa: E402
+                                      VOCABULARY_FILENAME,
                                       file_sha256, fsync_directory, fsync_file, write_json_atomically)
 from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chunks  # noqa: E402
 
@@ -109,6 +110,26 @@ def iter_corpus_chunks(corpus: dict, source_lang: str, target_lang: str, *, chec
         stats.empty_skipped += len(pairs) - len(kept)
         if kept:
             yield [s for s, _ in kept], [t for _, t in kept]
+
+
+def _target_vocabulary(args, out: Path, vocab_size: int) -> bytes:
+    """--target-tokenizer's sentencepiece model, checked (the special ids, the ids of --tokenizer's) and written
+    to OUT/target_tokenizer.model."""
+    proto = read_tokenizer_proto(args.target_tokenizer)
+    try:
+        check_special_ids(proto)
+    except ValueError as e:
+        raise ConfigError(f"--target-tokenizer {args.target_tokenizer}: {e}") from None
+    if vocab_size_of(proto) != vocab_size:
+        raise ConfigError(f"--target-tokenizer {args.target_tokenizer} has {vocab_size_of(proto):,} ids and "
+                          f"--tokenizer {args.tokenizer} {vocab_size:,}: a vocabulary per side numbers one model's ids")
+    path = out / TARGET_VOCABULARY_FILENAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(proto)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    _log(f"target vocabulary: {args.target_tokenizer} (--target-tokenizer: the targets are tokenized with it)")
+    return proto
 
 
 def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
@@ -191,9 +212,9 @@ def _append_dealt(paths_of, dealt: np.ndarray, count: int, sides) -> None:
                 picked.tofile(f)
 
 
-def _deal(corpora, args, sp, dtype, scatter: Path, rng: np.random.Generator) -> list[dict]:
-    """Tokenizes every pair once and appends it to a random shard's scatter files; returns each corpus's
-    counts."""
+def _deal(corpora, args, sp, target_sp, dtype, scatter: Path, rng: np.random.Generator) -> list[dict]:
+    """Tokenizes every pair once (the source with `sp`, the target with `target_sp`: the same one but with a
+    vocabulary per side) and appends it to a random shard's scatter files; returns each corpus's counts."""
     counted, t0, done = [], time.time(), 0
     threads = os.cpu_count() or 1
     for corpus in corpora:
@@ -202,7 +223,7 @@ def _deal(corpora, args, sp, dtype, scatter: Path, rng: np.random.Generator) -> 
         for src, tgt in iter_corpus_chunks(corpus, args.source_lang, args.target_lang,
                                            check_alignment=args.check_alignment, stats=stats):
             s_ids, s_len = _ids_array(sp.encode(src, num_threads=threads), dtype)
-            t_ids, t_len = _ids_array(sp.encode(tgt, num_threads=threads), dtype)
+            t_ids, t_len = _ids_array(target_sp.encode(tgt, num_threads=threads), dtype)
             shard = rng.integers(0, args.shards, len(s_len))
             _append_dealt(lambda k: _scatter_paths(scatter, f"{k:05d}"), shard, args.shards,
                           ((s_ids, s_len), (t_ids, t_len)))
@@ -283,13 +304,18 @@ def prepare(args) -> dict:
         raise ConfigError("nothing to prepare: give --train-files SOURCE TARGET (repeatable) or --tfds NAME")
     if args.shards < 1:
         raise ConfigError(f"--shards must be 1 or more, got {args.shards}")
+    if args.target_tokenizer and not args.tokenizer:
+        raise ConfigError("--target-tokenizer needs --tokenizer: the sources' vocabulary, in the same ids")
     if args.source_lang == args.target_lang:
         raise ConfigError(f"--source-lang and --target-lang are both {args.source_lang!r}")
     request = {"corpora": [_corpus_request(c) for c in corpora], "source_lang": args.source_lang,
                "target_lang": args.target_lang, "shards": args.shards, "seed": args.seed,
                "check_alignment": args.check_alignment, "validation": _validation(args),
                "vocabulary": ({"tokenizer": str(Path(args.tokenizer).resolve()),
-                               "sha256": file_sha256(args.tokenizer)} if args.tokenizer else
+                               "sha256": file_sha256(args.tokenizer),
+                               **({"target_tokenizer": str(Path(args.target_tokenizer).resolve()),
+                                   "target_sha256": file_sha256(args.target_tokenizer)}
+                                  if args.target_tokenizer else {})} if args.tokenizer else
                               {"vocab_size": args.vocab_size, "vocab_type": args.vocab_type,
                                "vocab_sample": args.vocab_sample,
                                "lowercase": args.lowercase})}
@@ -311,12 +337,15 @@ def prepare(args) -> dict:
     proto = _vocabulary(args, out, corpora)
     sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab_size = sp.get_piece_size()
+    target_sp = sp
+    if args.target_tokenizer:
+        target_sp = spm.SentencePieceProcessor(model_proto=_target_vocabulary(args, out, vocab_size))
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     scatter = out / SCATTER_DIR
     scatter.mkdir()
     rng = np.random.default_rng(args.seed)
     t1 = time.time()
-    counted = _deal(corpora, args, sp, dtype, scatter, rng)
+    counted = _deal(corpora, args, sp, target_sp, dtype, scatter, rng)
     pairs = sum(c["pairs"] for c in counted)
     count = shard_count(pairs, args.shards)
     split = count // args.shards
@@ -346,7 +375,10 @@ def prepare(args) -> dict:
         "target_lang": args.target_lang,
         "validation": request["validation"],
         "vocabulary": {"file": VOCABULARY_FILENAME, "pieces": vocab_size, "lowercase": lowercases(proto),
-                       "sha256": file_sha256(out / VOCABULARY_FILENAME), "ids": str(np.dtype(dtype))},
+                       "sha256": file_sha256(out / VOCABULARY_FILENAME), "ids": str(np.dtype(dtype)),
+                       **({"target_file": TARGET_VOCABULARY_FILENAME,
+                           "target_sha256": file_sha256(out / TARGET_VOCABULARY_FILENAME)}
+                          if args.target_tokenizer else {})},
         "pairs": pairs,
         "source_tokens": sum(s["source_tokens"] for s in shards),
         "target_tokens": sum(s["target_tokens"] for s in shards),
@@ -390,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="raw Multi30k directory, for --tfds multi30k")
     p.add_argument("--tfds-data-dir", help="where TFDS stores prepared datasets")
     p.add_argument("--tokenizer", help="an existing sentencepiece .model instead of training one")
+    p.add_argument("--target-tokenizer", metavar="FILE",
+                   help="a vocabulary per side: the targets' sentencepiece .model, in the ids of --tokenizer's (which "
+                        "then reads the sources), as an imported Marian run's target_tokenizer.model")
     # The vocabulary's settings are kt-train's (training.config.TrainSettings): the same flags, help and defaults.
     add_setting_flags(p, ("vocab_size", "vocab_type", "vocab_sample", "lowercase"), with_defaults=True)
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS,

@@ -2,7 +2,8 @@
 
 A prepared directory holds:
 
-- `tokenizer.model`: the sentencepiece vocabulary the ids are in;
+- `tokenizer.model`: the sentencepiece vocabulary the ids are in; with a vocabulary per side (kt-prepare
+  --target-tokenizer), the sources', and `target_tokenizer.model` the targets' (the same ids);
 - `shard-NNNNN-of-MMMMM.npz`: token-id shards, each a uniform random sample of
   all the corpora's pairs (kt-prepare deals every pair to a random shard, then
   shuffles each shard), of at most about 100,000 pairs each
@@ -58,6 +59,9 @@ from training.pipeline import bucket_batch_sizes, bucket_boundaries
 
 MANIFEST_FILENAME = "manifest.json"
 VOCABULARY_FILENAME = "tokenizer.model"
+# A corpus prepared with a vocabulary per side (kt-prepare --target-tokenizer): the targets' sentencepiece model,
+# in the same ids as tokenizer.model (then the sources').
+TARGET_VOCABULARY_FILENAME = "target_tokenizer.model"
 FORMAT = "keras-transformer prepared corpus 1"
 SHARD_PATTERN = "shard-{index:05d}-of-{count:05d}.npz"
 # Pairs a worker batches together: their lengths sorted into buckets, each bucket's last batch part-full.
@@ -126,6 +130,12 @@ class PreparedCorpus:
     @property
     def tokenizer_file(self) -> Path:
         return self.directory / self.manifest["vocabulary"]["file"]
+
+    @property
+    def target_tokenizer_file(self) -> Path | None:
+        """The targets' sentencepiece model of a corpus prepared with a vocabulary per side, else None."""
+        name = self.manifest["vocabulary"].get("target_file")
+        return None if name is None else self.directory / name
 
     @property
     def manifest_file(self) -> Path:
@@ -214,16 +224,19 @@ def open_prepared(directory, shards: list[int] | None = None) -> PreparedCorpus:
                         f"{manifest.get('format')!r}, expected {FORMAT!r}); run kt-prepare again.")
     corpus = PreparedCorpus(directory, manifest)
     corpus.check_sizes(shards)
-    if not corpus.tokenizer_file.is_file():
-        raise DataError(f"{corpus.tokenizer_file} is missing: the prepared corpus {directory} has lost its "
-                        f"vocabulary. Copy it again from the directory kt-prepare wrote, or run kt-prepare again.")
-    recorded = manifest["vocabulary"].get("sha256")
-    if recorded and file_sha256(corpus.tokenizer_file) != recorded:
-        raise DataError(f"{corpus.tokenizer_file} is not the vocabulary {directory} was prepared with: its SHA-256 "
-                        f"is not the one {path} records. The shards hold that vocabulary's token ids; trained "
-                        f"with another, the model would learn the wrong pieces. Put back the {VOCABULARY_FILENAME} "
-                        f"kt-prepare wrote (copy it again from the directory kt-prepare wrote), or prepare the "
-                        f"corpus again (kt-prepare --tokenizer FILE to prepare it in this vocabulary).")
+    for file, key in ((corpus.tokenizer_file, "sha256"), (corpus.target_tokenizer_file, "target_sha256")):
+        if file is None:
+            continue
+        if not file.is_file():
+            raise DataError(f"{file} is missing: the prepared corpus {directory} has lost its vocabulary. Copy it "
+                            f"again from the directory kt-prepare wrote, or run kt-prepare again.")
+        recorded = manifest["vocabulary"].get(key)
+        if recorded and file_sha256(file) != recorded:
+            raise DataError(f"{file} is not the vocabulary {directory} was prepared with: its SHA-256 is not the one "
+                            f"{path} records. The shards hold that vocabulary's token ids; trained with another, the "
+                            f"model would learn the wrong pieces. Put back the {file.name} kt-prepare wrote (copy it "
+                            f"again from the directory kt-prepare wrote), or prepare the corpus again (kt-prepare "
+                            f"--tokenizer FILE to prepare it in this vocabulary).")
     return corpus
 
 
