@@ -377,8 +377,9 @@ class Corpus:
 
 @dataclasses.dataclass(frozen=True)
 class Vocabulary:
-    """The run's sentencepiece vocabulary (`get_vocabulary`): one joint model, or one per side (a run
-    fine-tuned from an imported Marian model: `target_proto`, both in the model's ids)."""
+    """The run's sentencepiece vocabulary (`get_vocabulary`): one joint model, or one per side (`target_proto`,
+    both in the model's ids: a run fine-tuned from an imported Marian model, or on a corpus kt-prepare
+    --target-tokenizer prepared)."""
     proto: bytes  # the joint one, or the source side's
     lowercase: bool  # whether it case-folds
     size: int
