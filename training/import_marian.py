@@ -14,7 +14,7 @@ configuration the mapping does not cover is refused, naming the key. Writes to -
     target_tokenizer.model       target.spm in the model's ids
     config.json                  as kt-train's, with "imported_from"; "training" records the search the
                                  commands after it use: generation_config.json's beam size, and length
-                                 penalty 1.0 (see `DEFAULT_LENGTH_PENALTY`)
+                                 penalty 1.0 (see `MARIAN_LENGTH_PENALTY`)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from training.marian import MarianError, marian_sentencepiece, marian_transforme
 # Transformers ranks beam hypotheses by log P / length ** 1.0 by default (OPUS-MT's generation configs set no
 # other); this library by log P / ((5 + length) / 6) ** alpha. Their exponents, both 1.0, normalise by length
 # alike (not exactly: docs/marian.md); kt-evaluate and kt-export take --length-penalty for another.
-DEFAULT_LENGTH_PENALTY = 1.0
+MARIAN_LENGTH_PENALTY = 1.0
 # The longest source Marian's position table (max_position_embeddings rows) holds, where config.json has none.
 MARIAN_MAX_POSITIONS = 512
 
@@ -72,7 +72,7 @@ def import_marian(directory, model_dir, *, source_lang=None, target_lang=None) -
         max_source_length=checkpoint.config.get("max_position_embeddings", MARIAN_MAX_POSITIONS), model=model,
         policy="float32", preset=None, target_tokenizer=True,
         training={"beam_size": int(generation.get("num_beams") or DEFAULT_BEAM_SIZE),
-                  "length_penalty": DEFAULT_LENGTH_PENALTY, "lowercase": False},
+                  "length_penalty": MARIAN_LENGTH_PENALTY, "lowercase": False},
         extra={"imported_from": {"format": "marian", "directory": str(Path(directory).resolve()),
                                  "marian_vocab_size": checkpoint.config["vocab_size"],
                                  "pieces_not_in_vocab": dropped, "language_codes": codes}})
