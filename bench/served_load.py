@@ -60,6 +60,12 @@ for it. Its JSON line has each system's seconds of each round.
 A B C A B C ...) and reports the median of each figure. One round of the
 loads takes decodings x client counts x systems x (seconds + warm-up + 0.5 s):
 19 minutes for the command above (2 x 4 x 6 x 23.5 s), plus the ideal batch.
+
+`--trace-batches` runs each of our loads under TensorFlow's profiler and
+prints how many sentences the batches of the export's request batching held
+(the mean; every batch's size, in order, is in the JSON lines): whether the
+clients' requests merge into one batch, or into groups that take turns.
+
 `--limit N` takes the first N sentences only (a smoke run: `--clients 1,4
 --seconds 2 --warmup-seconds 1 --ideal-batch 8 --limit 64`).
 
@@ -130,10 +136,11 @@ def parse_decodings(text):
 class LoadWorker(Worker):
     """A translator in its own process that also answers load requests (bench/translate_worker.py)."""
 
-    def load(self, sentences, clients, seconds, warmup_seconds, decoding) -> dict:
+    def load(self, sentences, clients, seconds, warmup_seconds, decoding, trace_batches=False) -> dict:
         beam, signature = decoding
         request = {"load": {"clients": clients, "seconds": seconds, "warmup_seconds": warmup_seconds,
-                            "beam": beam, "signature": signature}, "sentences": sentences}
+                            "beam": beam, "signature": signature, "trace_batches": trace_batches},
+                   "sentences": sentences}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         answer = self._reply()
@@ -246,7 +253,8 @@ def run(args) -> int:
                 rounds = {w.name: [] for w in workers}
                 for round_index in range(args.rounds):
                     for w in workers:
-                        answer = w.load(sources, clients, args.seconds, args.warmup_seconds, decoding)
+                        answer = w.load(sources, clients, args.seconds, args.warmup_seconds, decoding,
+                                        args.trace_batches)
                         line = {"system": w.name, "decoding": decoding_label, "round": round_index + 1, **answer}
                         measurements.append(line)
                         print(json.dumps(line), flush=True)
@@ -254,6 +262,10 @@ def run(args) -> int:
                         time.sleep(SETTLE_S)
                 rows.append({"decoding": decoding_label, "clients": clients,
                              **{name: median_of(rounds[name]) for name in names}})
+                if args.trace_batches:
+                    rows[-1]["merged_batches"] = {
+                        name: statistics.median(a["merged_batches"]["mean_size"] or 0 for a in rounds[name])
+                        for name, _, _ in ours if all("merged_batches" in a for a in rounds[name])}
     finally:
         for w in workers:
             w.close()
@@ -278,6 +290,13 @@ def run(args) -> int:
         print(f"| {row['decoding']} | {clients} | {' | '.join(cells)} |")
     print("(sentences/s, median of the rounds; p99 latency in ms; CTranslate2: each compute type at its fastest "
           "WORKERSxTHREADS in that row)")
+    traced = [row for row in rows if row.get("merged_batches")]
+    if traced:
+        print("\nSentences per merged batch (mean over the load, median of the rounds; the JSON lines have every "
+              "batch's size in order):")
+        for row in traced:
+            print(f"  {row['decoding']}, {row['clients']} clients: "
+                  + ", ".join(f"{name} {size:g}" for name, size in row["merged_batches"].items()))
 
     if args.json:
         summary = run_summary(workers, ours, ct2_dir, args.length_penalty, length_penalty, load_at_start,
@@ -324,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="../shared/data/multi30k")
     p.add_argument("--split", default="test_2016_flickr")
     p.add_argument("--limit", type=int, help="use only the first N sentences of the split (default: all)")
+    p.add_argument("--trace-batches", action="store_true",
+                   help="run each of our loads under TensorFlow's profiler and report how many sentences each batch "
+                        "of the export's request batching held (its cost is small, but time figures without it)")
     p.add_argument("--json", help="also write the results here")
     return p
 

@@ -41,7 +41,11 @@ calls still running then finish and are not counted. The answer:
 
 (`per_client`: the fewest and most calls one client completed in the window;
 `drain_seconds`: how long the calls running at the window's end took to
-finish), or `{"error": "..."}` if a call failed.
+finish), or `{"error": "..."}` if a call failed. With `"trace_batches": true`
+in the load, ours also answers `"merged_batches": {"batches": N, "mean_size":
+M, "sizes": [...]}`: every batch its request batching ran from the first call
+to the last (warm-up included), in order, read from TensorFlow's profiler
+(`export.tf_internals.merged_batch_sizes`), which runs through the whole load.
 
 ours: the request's text signature of the SavedModel (`greedy`, or
 `serving_default`: the beam search it was exported with), tokenization and
@@ -161,6 +165,9 @@ def ours_translator(args):
     def translate(batch, request):
         return list(saved_model.translate_batch(batch, request["signature"]).translations)
 
+    from export.tf_internals import merged_batch_sizes
+
+    translate.merged_batch_sizes = merged_batch_sizes  # a load with "trace_batches" reports how calls were merged
     return translate, {"tensorflow": tf.__version__, "inter_op_threads": args.inter_op_threads,
                        "intra_op_threads": args.intra_op_threads}
 
@@ -212,11 +219,20 @@ def run_load(translate, load, sentences) -> dict:
             failures.append(f"client {i}: {type(e).__name__}: {e}")
             failed.set()
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    def run_clients():
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    merged = None
+    if load.get("trace_batches") and hasattr(translate, "merged_batch_sizes"):
+        _, sizes = translate.merged_batch_sizes(run_clients)
+        merged = {"batches": len(sizes), "mean_size": round(sum(sizes) / len(sizes), 2) if sizes else None,
+                  "sizes": sizes}
+    else:
+        run_clients()
     drain = max(0.0, time.perf_counter() - window_end)
     if failures:
         return {"error": "; ".join(failures[:3])}
@@ -227,7 +243,8 @@ def run_load(translate, load, sentences) -> dict:
                               for p in (50, 90, 99)},
                            "mean": None if not ordered else round(sum(ordered) / len(ordered), 1),
                            "max": None if not ordered else round(ordered[-1], 1)},
-            "per_client": [min(map(len, latencies)), max(map(len, latencies))], "drain_seconds": round(drain, 2)}
+            "per_client": [min(map(len, latencies)), max(map(len, latencies))], "drain_seconds": round(drain, 2),
+            **({"merged_batches": merged} if merged is not None else {})}
 
 
 def serve(translate, description):

@@ -6,8 +6,10 @@ Two serve the speed of the served graph on CPU, so they live in `export/`, not i
 `in_xla_context` whether a search with growing shapes is being traced under XLA (to name the mistake; the
 shapes themselves are the caller's explicit `fixed_shapes`), and the one-position attention multiplies with
 `eigen_batch_matmul`. The third, `registered_op_names`, lists the ops a process has registered, for
-`export/graph_ops.py`'s check that TF Serving's model server has every op of an export. Check all three when
-TensorFlow is upgraded.
+`export/graph_ops.py`'s check that TF Serving's model server has every op of an export. The fourth,
+`merged_batch_sizes`, reads from TensorFlow's profiler the batches that request batching
+(export/request_batching.py) ran, for its tests and bench/served_load.py. Check all four when TensorFlow is
+upgraded.
 """
 
 import tensorflow as tf
@@ -50,3 +52,36 @@ def eigen_batch_matmul(x, y, adjoint_b=False):
     """
     x, y = tf.cast(x, tf.float32), tf.cast(y, tf.float32)
     return tf.raw_ops.BatchMatMulV3(x=x, y=y, Tout=tf.float32, adj_x=False, adj_y=adjoint_b)
+
+
+def merged_batch_sizes(call):
+    """(`call()`, the size of each batch the BatchFunction ops of this process ran meanwhile, in the order they
+    started): how concurrent requests were merged (export/request_batching.py).
+
+    Read from TensorFlow's profiler, which TF 2.21's batching kernels tell of each batch they run: a "ProcessBatch"
+    event with a "batch_size_before_padding" statistic, in the trace's XSpace proto (`tensorflow.tsl`, not
+    TensorFlow's public API). A batch without that statistic counts with size 0. The profiler runs around `call`
+    alone; one profile at a time per process.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            result = call()
+        finally:
+            tf.profiler.experimental.stop()
+        batches = []  # (start in ps, size)
+        for trace in Path(logdir).rglob("*.xplane.pb"):
+            for plane in xplane_pb2.XSpace.FromString(trace.read_bytes()).planes:
+                events = {i: m.name for i, m in plane.event_metadata.items()}
+                stats = {i: m.name for i, m in plane.stat_metadata.items()}
+                for line in plane.lines:
+                    batches += [(line.timestamp_ns * 1000 + e.offset_ps,
+                                 next((s.int64_value or s.uint64_value for s in e.stats
+                                       if stats.get(s.metadata_id) == "batch_size_before_padding"), 0))
+                                for e in line.events if events.get(e.metadata_id) == "ProcessBatch"]
+    return result, [size for _, size in sorted(batches)]

@@ -411,26 +411,12 @@ def load_saved_model(path, load=None):
 
 
 def batches_run(call):
-    """(`call()`, how many batches BatchFunction ops ran in this process meanwhile), counted from TensorFlow's
-    profiler: TF 2.21's batching kernels mark each batch they run with a "ProcessBatch" event (read from the
-    trace's XSpace proto; check the name when TensorFlow is upgraded). The C++ loader's test reads TensorFlow's
-    batching metric instead (tests/cpp/serving_check.cc)."""
-    import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    """(`call()`, the size of each batch BatchFunction ops ran in this process meanwhile, in order): TensorFlow's
+    profiler, read by `export.tf_internals.merged_batch_sizes`. The C++ loader's test reads TensorFlow's batching
+    metric instead (tests/cpp/serving_check.cc)."""
+    from export.tf_internals import merged_batch_sizes
 
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        try:
-            result = call()
-        finally:
-            tf.profiler.experimental.stop()
-        batches = 0
-        for trace in Path(logdir).rglob("*.xplane.pb"):
-            space = xplane_pb2.XSpace.FromString(trace.read_bytes())
-            for plane in space.planes:
-                names = {i: m.name for i, m in plane.event_metadata.items()}
-                batches += sum(names.get(e.metadata_id) == "ProcessBatch" for line in plane.lines for e in line.events)
-    return result, batches
+    return merged_batch_sizes(call)
 
 
 @pytest.fixture

@@ -4,9 +4,10 @@ The session's `exported` fixture is kt-export's default export, so it merges con
 64 sentences, no timeout). Each test sends every request alone first, then all at once from one thread per
 request (a barrier releases them together), and asks: did each client get what it got alone (the translation,
 `truncated` and every other string or int output exactly; float scores to 1e-5, the export's batch-invariance
-promise: tests/test_export_savedmodel.py), and did fewer batches run than requests (TensorFlow's profiler marks
-each batch a BatchFunction op runs: `conftest.batches_run`)? The C++ loader's side, concurrent `Session::Run`
-calls in one session as TF Serving makes them: tests/test_cpp_loader.py.
+promise: tests/test_export_savedmodel.py), and did fewer batches run than requests, holding the requests'
+sentences (TensorFlow's profiler tells each batch a BatchFunction op runs, and its size: `conftest.batches_run`)?
+The C++ loader's side, concurrent `Session::Run` calls in one session as TF Serving makes them:
+tests/test_cpp_loader.py.
 """
 
 import threading
@@ -58,18 +59,25 @@ def _assert_same(got, alone, context):
             assert got[key].tolist() == expected.tolist(), (context, key)
 
 
+def _rows(request):
+    return len(next(iter(request[1].values())))
+
+
 def _concurrent_against_alone(exported, requests, merged=None):
     """Sends `requests` alone, then all at once; each answer must be its alone one. `merged`: how many of the
-    requests go through the batching queues (default all; a request of more than 64 sentences does not).
-    Returns the batches run."""
+    requests go through the batching queues, the first ones (default all; a request of more than 64 sentences
+    does not). The batches run must be fewer than the merged requests, and hold their sentences, each once.
+    Returns the batches' sizes."""
     signatures = load_saved_model(exported).signatures
     alone = [_call(signatures, r) for r in requests]
-    together, batches = batches_run(lambda: _all_at_once(signatures, requests))
+    together, sizes = batches_run(lambda: _all_at_once(signatures, requests))
     for i, (got, expected) in enumerate(zip(together, alone)):
         _assert_same(got, expected, (i, requests[i][0]))
     merged = len(requests) if merged is None else merged
-    assert 0 < batches < merged, (batches, merged)
-    return batches
+    assert 0 < len(sizes) < merged, (sizes, merged)
+    assert sum(sizes) == sum(_rows(r) for r in requests[:merged]), sizes
+    assert max(sizes) <= DEFAULT_MAX_BATCH_SIZE
+    return sizes
 
 
 def test_concurrent_clients_each_get_their_own_translation_from_fewer_batches(exported):
