@@ -230,7 +230,7 @@ def test_make_train_on_the_parsing_recipe_learns_a_synthetic_grammar(tmp_path):
         assert treebank(["--treebank", str(data / f"{split}.trees"), "--out", str(data / split)]) == 0
     run, export = tmp_path / "parsing", tmp_path / "export"
     flags = ("--model-arg d_model=64 --model-arg num_heads=4 --model-arg d_ff=256 --model-arg num_encoder_layers=2 "
-             "--model-arg num_decoder_layers=2 --dropout 0 --model-arg attention_dropout=0 --tokens-per-batch 3000 "
+             "--model-arg num_decoder_layers=2 --dropout 0 --model-arg attention_dropout=0 --tokens-per-batch 1200 "
              "--warmup-steps 300 --learning-rate-scale 0.3 --max-updates 1000 --checkpoint-every 250 "
              "--average-last 2")
     done = subprocess.run(
