@@ -56,7 +56,8 @@ from training.config import add_setting_flags, default  # noqa: E402
 from training.errors import ConfigError, DataError  # noqa: E402
 from training.prepared_corpus import (FORMAT, MANIFEST_FILENAME, SHARD_PATTERN, TARGET_VOCABULARY_FILENAME,  # noqa: E402
                                       VOCABULARY_FILENAME,
-                                      file_sha256, fsync_directory, fsync_file, write_json_atomically)
+                                      file_sha256, fsync_directory, fsync_file, write_bytes_atomically,
+                                      write_json_atomically)
 from training.text_files import STREAM_CHUNK_LINES, ReadStats, iter_parallel_chunks  # noqa: E402
 
 VOCABULARY_RECORD = "vocabulary.json"  # the vocabulary's request, written after tokenizer.model: it is complete
@@ -112,15 +113,6 @@ def iter_corpus_chunks(corpus: dict, source_lang: str, target_lang: str, *, chec
             yield [s for s, _ in kept], [t for _, t in kept]
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    """Writes `path` whole or not at all (a temporary file, on the disk, renamed over it); its directory's entry is
-    flushed before the manifest is written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    fsync_file(tmp)
-    os.replace(tmp, path)
-
-
 def _target_vocabulary(args, out: Path, vocab_size: int) -> bytes:
     """--target-tokenizer's sentencepiece model, checked (the special ids, the ids of --tokenizer's) and written
     to OUT/target_tokenizer.model."""
@@ -132,7 +124,7 @@ def _target_vocabulary(args, out: Path, vocab_size: int) -> bytes:
     if vocab_size_of(proto) != vocab_size:
         raise ConfigError(f"--target-tokenizer {args.target_tokenizer} has {vocab_size_of(proto):,} ids and "
                           f"--tokenizer {args.tokenizer} {vocab_size:,}: a vocabulary per side numbers one model's ids")
-    _write_synced(out / TARGET_VOCABULARY_FILENAME, proto)
+    write_bytes_atomically(out / TARGET_VOCABULARY_FILENAME, proto)
     _log(f"target vocabulary: {args.target_tokenizer} (--target-tokenizer: the targets are tokenized with it)")
     return proto
 
@@ -178,7 +170,7 @@ def _vocabulary(args, out: Path, corpora: list[dict]) -> bytes:
         _log(f"vocabulary: {vocab_size_of(proto):,} pieces ({args.vocab_type})"
              f"{', case-folding' if lowercases(proto) else ''}, "
              f"trained on {sample}, both sides, in {time.time() - t0:.0f} s")
-    _write_synced(path, proto)
+    write_bytes_atomically(path, proto)
     write_json_atomically(record, request)
     return proto
 

@@ -95,16 +95,20 @@ def fsync_directory(path) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: Path, data: dict) -> None:
+def write_bytes_atomically(path: Path, data: bytes) -> None:
     """Writes `path` whole or not at all (a temporary file renamed over it), on the disk when it returns."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_directory(path.parent)
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    """`data` as indented JSON, written by `write_bytes_atomically`."""
+    write_bytes_atomically(path, (json.dumps(data, indent=1) + "\n").encode())
 
 
 class ShardPart(NamedTuple):
